@@ -1,0 +1,23 @@
+# Each target creates .venv on first use, so a fresh clone needs nothing else.
+PY ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[test,bench,demo]'
+	touch $(STAMP)
+
+.PHONY: demo test bench clean
+demo: $(STAMP)
+	$(VENV)/bin/python -m examples.demo
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -n 2 tests
+
+bench: $(STAMP)
+	$(VENV)/bin/python -m benchmarks.trace_overhead
+
+clean:
+	rm -rf $(VENV)

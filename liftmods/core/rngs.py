@@ -1,0 +1,82 @@
+"""PRNG sequences derived from module paths and call counters.
+
+A sequence is a root key plus a *suffix*: the names of the scopes pushed since
+the key was last materialised, and finally a call counter. Materialising
+hashes the whole suffix with SHA-1 (names as UTF-8, counters as minimal
+big-endian bytes, no separators), takes the first four bytes as an unsigned
+32-bit integer and folds it into the root key. This reproduces Flax 0.12's
+default derivation bit for bit, so the same seed gives the same parameters.
+
+>>> import jax
+>>> seq = LazyKey(jax.random.key(0)).child('Dense_0').child(1)
+>>> seq.suffix
+('Dense_0', 1)
+>>> seq.materialize().shape
+()
+"""
+import hashlib
+
+import jax
+import numpy as np
+
+from liftmods import errors
+
+
+def hash_suffix(suffix: tuple) -> int:
+  """The 32-bit integer folded into a key for a suffix of names/counters."""
+  m = hashlib.sha1()
+  for part in suffix:
+    if isinstance(part, str):
+      m.update(part.encode('utf-8'))
+    elif isinstance(part, int):
+      m.update(part.to_bytes((part.bit_length() + 7) // 8, 'big'))
+    else:
+      raise ValueError(f'rng suffix parts must be str or int, got {part!r}')
+  return int.from_bytes(m.digest()[:4], 'big')
+
+
+def fold_static(key, suffix: tuple):
+  """Folds a suffix of names/counters into ``key`` (no-op for an empty one)."""
+  if not suffix:
+    return key
+  return jax.random.fold_in(key, np.uint32(hash_suffix(suffix)))
+
+
+class LazyKey:
+  """A root key with the static suffix still to be folded into it."""
+
+  __slots__ = ('key', 'suffix')
+
+  def __init__(self, key, suffix: tuple = ()):
+    self.key = key
+    self.suffix = suffix
+
+  def child(self, part) -> 'LazyKey':
+    return LazyKey(self.key, self.suffix + (part,))
+
+  def materialize(self):
+    return fold_static(self.key, self.suffix)
+
+  def __repr__(self):
+    return f'LazyKey({self.key}, suffix={self.suffix})'
+
+
+def as_lazy(name: str, rng) -> LazyKey:
+  """Validates a user-supplied rng and wraps it as a LazyKey."""
+  if isinstance(rng, LazyKey):
+    return rng
+  if hasattr(rng, '__class__') and type(rng).__name__ == 'LazyRng':
+    return LazyKey(rng.rng, tuple(rng.suffix))  # a flax LazyRng, duck-typed
+  if not _is_key(rng):
+    raise errors.InvalidRngTypeError(name, rng)
+  return LazyKey(rng)
+
+
+def _is_key(x) -> bool:
+  dtype = getattr(x, 'dtype', None)
+  if dtype is None:
+    return False
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return True
+  # Raw uint32 keys: (2,) for threefry; allow any trailing key shape.
+  return dtype == np.uint32 and getattr(x, 'ndim', 0) >= 1

@@ -1,0 +1,423 @@
+"""The Scope: a cursor into a variable store plus the PRNG sequences of one
+position in a model.
+
+The store is a plain dict ``{collection: {name: value or nested dict}}``.
+A child scope (``push``) views the sub-dict named after it in every
+collection. Writes need the collection to be mutable. ``init``/``apply``
+build a root scope around user variables (copying only the collections that
+may be written, so the caller's dict is never mutated).
+
+>>> import jax, jax.numpy as jnp
+>>> from liftmods.core import init, apply
+>>> def dense(scope, x, features):
+...   w = scope.param('kernel', jax.nn.initializers.lecun_normal(),
+...                   (x.shape[-1], features))
+...   return x @ w
+>>> y, variables = init(dense)(jax.random.key(0), jnp.ones((2, 3)), 4)
+>>> variables['params']['kernel'].shape
+(3, 4)
+>>> apply(dense)(variables, jnp.ones((2, 3)), 4).shape
+(2, 4)
+"""
+import functools
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from liftmods import errors
+from liftmods.core import meta
+from liftmods.core.filters import in_filter
+from liftmods.core.frozen_dict import FrozenDict, unfreeze
+from liftmods.core.rngs import LazyKey, as_lazy
+
+_EMPTY = FrozenDict()
+_CHILD = object()  # tags child-scope entries in rng_counters
+
+
+class Variable:
+  """A reference to one variable of a scope; read and write via ``.value``.
+
+  >>> from liftmods.core import bind
+  >>> scope = bind({'counts': {'n': 0}}, mutable=['counts'])
+  >>> v = scope.variable('counts', 'n')
+  >>> v.value += 1
+  >>> scope.variables()['counts']['n']
+  1
+  """
+
+  __slots__ = ('scope', 'collection', 'name', 'unbox')
+
+  def __init__(self, scope: 'Scope', collection: str, name: str,
+               unbox: bool = True):
+    self.scope = scope
+    self.collection = collection
+    self.name = name
+    self.unbox = unbox
+
+  @property
+  def value(self):
+    v = self.scope.get_variable(self.collection, self.name)
+    return meta.unbox(v) if self.unbox else v
+
+  @value.setter
+  def value(self, new):
+    if self.unbox:
+      old = self.scope.get_variable(self.collection, self.name)
+      if _has_boxes(old):
+        new = meta.replace_boxed(old, new)
+    self.scope.put_variable(self.collection, self.name, new)
+
+  def is_mutable(self) -> bool:
+    return self.scope.is_mutable_collection(self.collection)
+
+  def __repr__(self):
+    return f'Variable({self.scope.path_text}, {self.collection}/{self.name})'
+
+
+def _has_boxes(tree) -> bool:
+  if isinstance(tree, meta.AxisMetadata):
+    return True
+  return any(isinstance(x, meta.AxisMetadata) for x in
+             jax.tree_util.tree_leaves(tree, is_leaf=meta.is_axis_metadata))
+
+
+class Scope:
+  """One position in the model: variables, rngs, names reserved there."""
+
+  __slots__ = ('_variables', 'parent', 'root', 'name', 'path', 'rngs',
+               'rng_counters', 'mutable', 'reservations', 'flags', '_invalid',
+               '_mutability')
+
+  def __init__(self, variables: dict, rngs: Mapping | None = None,
+               name: str | None = None, mutable: Any = False,
+               parent: 'Scope | None' = None, path: tuple = (),
+               flags: Mapping | None = None):
+    self._variables = variables
+    self.parent = parent
+    self.root = parent.root if parent is not None else self
+    self.name = name
+    self.path = tuple(path)
+    self.rngs = {k: as_lazy(k, v) for k, v in (rngs or {}).items()}
+    self.rng_counters = {k: 0 for k in self.rngs}
+    self.mutable = mutable
+    self.reservations = {}
+    self.flags = flags if flags is not None else {}
+    self._invalid = False
+    self._mutability = parent._mutability if parent is not None else {}
+
+  # -- identity and validity ------------------------------------------------
+
+  @property
+  def path_text(self) -> str:
+    return '/' + '/'.join(self.path)
+
+  @property
+  def invalid(self) -> bool:
+    return self._invalid
+
+  def invalidate(self):
+    self._invalid = True
+
+  def _check_valid(self):
+    if self._invalid:
+      raise errors.InvalidScopeError(self.name)
+
+  def __repr__(self):
+    return f'Scope({self.path_text})'
+
+  # -- naming ----------------------------------------------------------------
+
+  def name_reserved(self, name: str, col: str | None = None) -> bool:
+    """Whether ``name`` is taken by a child (col None) or by a variable of
+    ``col``. Variables of different collections may share a name."""
+    taken = self.reservations.get(name)
+    if taken is None:
+      return False
+    return None in taken or col is None or col in taken
+
+  def reserve(self, name: str, col: str | None = None):
+    if not isinstance(name, str):
+      raise TypeError(f'Scope and variable names must be str, got {name!r} '
+                      f'at {self.path_text}')
+    if self.name_reserved(name, col):
+      kind = 'submodule' if col is None else 'variable'
+      raise errors.NameInUseError(kind, name, self.path_text, col)
+    self.reservations.setdefault(name, set()).add(col)
+
+  def default_name(self, prefix: str) -> str:
+    """The first unreserved name ``prefix0``, ``prefix1``, ..."""
+    i = 0
+    while f'{prefix}{i}' in self.reservations:
+      i += 1
+    return f'{prefix}{i}'
+
+  def push(self, name: str | None = None, prefix: str = '',
+           reuse: bool = False) -> 'Scope':
+    """Returns the child scope ``name`` (reserving it unless ``reuse``)."""
+    self._check_valid()
+    if name is None:
+      name = self.default_name(prefix)
+    if not reuse or name not in self.reservations:
+      self.reserve(name)
+    child = Scope.__new__(Scope)
+    child._variables = {}
+    child.parent = self
+    child.root = self.root
+    child.name = name
+    child.path = self.path + (name,)
+    child.rngs = {k: v.child(name) for k, v in self.rngs.items()}
+    key = (_CHILD, name)
+    counters = self.rng_counters.get(key)
+    if counters is None:
+      counters = self.rng_counters[key] = {k: 0 for k in child.rngs}
+    child.rng_counters = counters
+    child.mutable = self.mutable
+    child.reservations = {}
+    child.flags = self.flags
+    child._invalid = False
+    child._mutability = self._mutability
+    return child
+
+  def rewound(self, rewind_rngs: bool = False) -> 'Scope':
+    """The same position with reservations cleared (used when a compact
+    method runs again); rng counters are kept unless ``rewind_rngs``."""
+    self._check_valid()
+    scope = Scope.__new__(Scope)
+    for slot in Scope.__slots__:
+      setattr(scope, slot, getattr(self, slot))
+    scope.reservations = {}
+    if rewind_rngs:
+      scope.rng_counters = {k: 0 for k in self.rngs}
+    return scope
+
+  # -- collections -----------------------------------------------------------
+
+  def is_mutable_collection(self, col: str) -> bool:
+    cached = self._mutability.get(col)
+    if cached is None:
+      cached = self._mutability[col] = in_filter(self.mutable, col)
+    return cached
+
+  def _collection(self, col: str) -> Mapping:
+    """This scope's dict in ``col`` for reading (empty if absent)."""
+    found = self._variables.get(col)
+    if found is not None:
+      return found
+    if self.parent is None:
+      return _EMPTY
+    found = self.parent._collection(col).get(self.name)
+    if found is None:
+      return _EMPTY
+    self._variables[col] = found
+    return found
+
+  def _mutable_collection(self, col: str) -> dict:
+    """This scope's dict in ``col`` for writing, created if absent."""
+    found = self._variables.get(col)
+    if found is not None:
+      return found
+    if self.parent is None:
+      found = self._variables[col] = {}
+      return found
+    parent_col = self.parent._mutable_collection(col)
+    found = parent_col.get(self.name)
+    if found is None:
+      found = parent_col[self.name] = {}
+    self._variables[col] = found
+    return found
+
+  def is_collection_empty(self, col: str) -> bool:
+    return not self._collection(col)
+
+  def collections(self):
+    return tuple(self.root._variables)
+
+  def variables(self) -> dict:
+    """All of this scope's collections, ``{collection: {name: value}}``."""
+    out = {}
+    for col in self.root._variables:
+      found = self._collection(col)
+      if found is not _EMPTY:
+        out[col] = found
+    return out
+
+  def mutable_variables(self) -> dict:
+    """The collections of this scope that may be written."""
+    return {k: v for k, v in self.variables().items()
+            if self.is_mutable_collection(k)}
+
+  # -- variables -------------------------------------------------------------
+
+  def has_variable(self, col: str, name: str) -> bool:
+    return name in self._collection(col)
+
+  def get_variable(self, col: str, name: str, default: Any = None) -> Any:
+    return self._collection(col).get(name, default)
+
+  def put_variable(self, col: str, name: str, value: Any):
+    self._check_valid()
+    if not self.is_mutable_collection(col):
+      raise errors.ModifyScopeVariableError(col, name, self.path_text)
+    self._mutable_collection(col)[name] = value
+
+  def variable(self, col: str, name: str, init_fn: Callable | None = None,
+               *init_args, unbox: bool = True, **init_kwargs) -> Variable:
+    """Declares variable ``name`` in ``col``, creating it with
+    ``init_fn(*init_args)`` if it does not exist and ``col`` is mutable."""
+    self.reserve(name, col)
+    if not self.has_variable(col, name):
+      if not self.is_mutable_collection(col) or init_fn is None:
+        if self.is_collection_empty(col):
+          raise errors.ScopeCollectionNotFound(col, name, self.path_text)
+        raise errors.ScopeVariableNotFoundError(name, col, self.path_text)
+      self.put_variable(col, name, init_fn(*init_args, **init_kwargs))
+    return Variable(self, col, name, unbox=unbox)
+
+  def param(self, name: str, init_fn: Callable, *init_args,
+            unbox: bool = True, **init_kwargs) -> Any:
+    """Returns parameter ``name``, creating it with
+    ``init_fn(make_rng('params'), *init_args)`` when initializing. A stored
+    value whose shape differs from what ``init_fn`` makes is an error."""
+    self.reserve(name, 'params')
+    params = self._collection('params')
+    if name in params:
+      value = params[name]
+      if unbox:
+        value = meta.unbox(value)
+      _check_shapes(name, self, value, init_fn, init_args, init_kwargs)
+      return value
+    if not self.is_mutable_collection('params'):
+      if not params:
+        raise errors.ScopeCollectionNotFound('params', name, self.path_text)
+      raise errors.ScopeParamNotFoundError(name, self.path_text)
+    value = init_fn(self.make_rng('params'), *init_args, **init_kwargs)
+    self.put_variable('params', name, value)
+    return meta.unbox(value) if unbox else value
+
+  # -- rngs ------------------------------------------------------------------
+
+  def has_rng(self, name: str) -> bool:
+    return name in self.rngs
+
+  def make_rng(self, name: str = 'params'):
+    """A fresh key of sequence ``name``; falls back to 'params' like Linen."""
+    if name not in self.rngs:
+      if 'params' not in self.rngs:
+        raise errors.InvalidRngError(name, self.path_text)
+      name = 'params'
+    self._check_valid()
+    self.rng_counters[name] += 1
+    return self.rngs[name].child(self.rng_counters[name]).materialize()
+
+  def get_flag(self, key, default=None):
+    return self.flags.get(key, default)
+
+  def has_flag(self, key) -> bool:
+    return key in self.flags
+
+
+# -- parameter shape checks, cached per (initializer, arguments) -------------
+
+_SHAPE_CACHE: dict = {}
+_SHAPE_CACHE_LIMIT = 4096
+
+
+def _expected_shapes(init_fn, init_args, init_kwargs):
+  key = None
+  try:
+    key = (init_fn, init_args, tuple(sorted(init_kwargs.items())))
+    hit = _SHAPE_CACHE.get(key)
+    if hit is not None:
+      return hit
+  except TypeError:  # unhashable arguments: no caching
+    key = None
+  abstract = jax.eval_shape(
+      lambda: init_fn(jax.random.key(0), *init_args, **init_kwargs))
+  shapes = tuple(np.shape(x) for x in jax.tree_util.tree_leaves(
+      meta.unbox(abstract)))
+  if key is not None:
+    if len(_SHAPE_CACHE) >= _SHAPE_CACHE_LIMIT:
+      _SHAPE_CACHE.clear()
+    _SHAPE_CACHE[key] = shapes
+  return shapes
+
+
+def _check_shapes(name, scope, value, init_fn, init_args, init_kwargs):
+  expected = _expected_shapes(init_fn, init_args, init_kwargs)
+  leaves = jax.tree_util.tree_leaves(value)
+  for leaf, shape in zip(leaves, expected):
+    if np.shape(leaf) != shape:
+      raise errors.ScopeParamShapeError(name, scope.path_text, np.shape(leaf),
+                                        shape)
+
+
+# -- entry points --------------------------------------------------------------
+
+
+def _validate_variables(variables):
+  if not isinstance(variables, Mapping):
+    raise errors.ApplyScopeInvalidVariablesTypeError(variables)
+  for col, value in variables.items():
+    if not isinstance(col, str) or not isinstance(value, Mapping):
+      raise errors.ApplyScopeInvalidVariablesStructureError(variables)
+  params = variables.get('params')
+  if isinstance(params, Mapping) and 'params' in params:
+    raise errors.ApplyScopeInvalidVariablesStructureError(params)
+
+
+def _normalize_rngs(rngs):
+  if rngs is None:
+    return {}
+  if isinstance(rngs, Mapping):
+    return {k: as_lazy(k, v) for k, v in rngs.items()}
+  return {'params': as_lazy('params', rngs)}
+
+
+def _copy_mutable(variables: Mapping, mutable) -> dict:
+  return {col: (unfreeze(value) if in_filter(mutable, col) else value)
+          for col, value in variables.items()}
+
+
+def bind(variables: Mapping, rngs=None, mutable=False,
+         flags: Mapping | None = None) -> Scope:
+  """A root Scope over ``variables`` for interactive use."""
+  _validate_variables(variables)
+  return Scope(_copy_mutable(variables, mutable), rngs=_normalize_rngs(rngs),
+               mutable=mutable, flags=flags)
+
+
+def apply(fn: Callable, mutable=False, flags: Mapping | None = None):
+  """Turns ``fn(scope, *args)`` into ``f(variables, *args, rngs=None)``.
+
+  Returns ``out``, or ``(out, mutated_collections)`` when ``mutable`` is not
+  False.
+  """
+
+  @functools.wraps(fn)
+  def wrapper(variables, *args, rngs=None, **kwargs):
+    root = bind(variables, rngs, mutable, flags)
+    try:
+      out = fn(root, *args, **kwargs)
+    finally:
+      root.invalidate()
+    if mutable is not False:
+      return out, root.mutable_variables()
+    return out
+
+  return wrapper
+
+
+def init(fn: Callable, mutable=True, flags: Mapping | None = None):
+  """Turns ``fn(scope, *args)`` into ``f(rngs, *args) -> (out, variables)``.
+  ``rngs`` is a key (used for 'params') or ``{sequence_name: key}``."""
+
+  @functools.wraps(fn)
+  def wrapper(rngs, *args, **kwargs):
+    init_flags = {**(flags or {}), 'initializing': True}
+    return apply(fn, mutable=mutable, flags=init_flags)(
+        {}, *args, rngs=_normalize_rngs(rngs), **kwargs)
+
+  return wrapper
+
