@@ -88,7 +88,7 @@ class Scope:
 
   __slots__ = ('_variables', 'parent', 'root', 'name', 'path', 'rngs',
                'rng_counters', 'mutable', 'reservations', 'flags', '_invalid',
-               '_mutability')
+               '_mutability', '__weakref__')
 
   def __init__(self, variables: dict, rngs: Mapping | None = None,
                name: str | None = None, mutable: Any = False,
@@ -185,7 +185,7 @@ class Scope:
     method runs again); rng counters are kept unless ``rewind_rngs``."""
     self._check_valid()
     scope = Scope.__new__(Scope)
-    for slot in Scope.__slots__:
+    for slot in Scope.__slots__[:-1]:
       setattr(scope, slot, getattr(self, slot))
     scope.reservations = {}
     if rewind_rngs:

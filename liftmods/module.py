@@ -1,0 +1,746 @@
+"""Module: the Linen-style base class.
+
+Subclasses are dataclasses; ``parent`` and ``name`` are added as keyword-only
+fields. A module is *bound* when it has a scope: at the top through
+``init``/``apply``/``bind``, below through its parent. Submodules are created
+inline in a ``@compact`` method (auto-named ``ClassName_N``) or assigned in
+``setup`` (named after the attribute).
+
+>>> import jax, jax.numpy as jnp
+>>> import liftmods as nn
+>>> class Affine(nn.Module):
+...   features: int
+...   @nn.compact
+...   def __call__(self, x):
+...     w = self.param('w', nn.initializers.lecun_normal(),
+...                    (x.shape[-1], self.features))
+...     return x @ w + self.param('b', nn.initializers.zeros, (self.features,))
+>>> variables = Affine(4).init(jax.random.key(0), jnp.ones((1, 3)))
+>>> jax.tree_util.tree_map(jnp.shape, variables)
+{'params': {'b': (4,), 'w': (3, 4)}}
+"""
+import dataclasses
+import functools
+import inspect
+import itertools
+import threading
+import weakref
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from liftmods import errors
+from liftmods.core import scope as core
+from liftmods.core.filters import DenyList, union
+from liftmods.core.frozen_dict import FrozenDict
+from liftmods.core.scope import Scope
+
+
+class _Context(threading.local):
+
+  def __init__(self):
+    self.module_stack = [None]
+    self.capture_stack = []
+
+
+_context = _Context()
+
+
+class _Unspecified:
+
+  def __repr__(self):
+    return '<unspecified parent>'
+
+
+_unspecified_parent = _Unspecified()
+_ids = itertools.count()
+_use_named_call = True
+
+NEW, TRANSFORMED, DONE = 0, 1, 2  # setup states
+
+
+class _State:
+  """Per-instance bookkeeping reset after every compact/setup call."""
+
+  __slots__ = ('in_compact', 'in_setup', 'setup_called', 'initialized',
+               'autoname', 'children')
+
+  def __init__(self):
+    self.in_compact = False
+    self.in_setup = False
+    self.setup_called = NEW
+    self.initialized = False
+    self.autoname = {}
+    self.children = {}
+
+  def reset(self):
+    self.in_compact = False
+    self.in_setup = False
+    self.autoname = {}
+
+  def export(self) -> '_State':
+    """The state a clone across a transform boundary starts from."""
+    out = _State()
+    out.in_compact = self.in_compact
+    out.in_setup = self.in_setup
+    out.setup_called = TRANSFORMED if self.setup_called else NEW
+    out.initialized = self.initialized
+    out.autoname = dict(self.autoname)
+    return out
+
+  def reimport(self, other: '_State'):
+    self.in_compact = other.in_compact
+    self.in_setup = other.in_setup
+    self.initialized = other.initialized
+    self.autoname = dict(other.autoname)
+
+
+_UNINITIALIZED = _State()
+
+
+# -- decorators ----------------------------------------------------------------
+
+
+def compact(fun):
+  """Marks the one method of a module that may define submodules and
+  variables inline."""
+  fun.compact = True
+  return fun
+
+
+def nowrap(fun):
+  """Marks a helper method that must not be wrapped with module-state
+  handling (e.g. one that only builds submodules for a caller)."""
+  fun.nowrap = True
+  return fun
+
+
+def _wrap_method(fun):
+  if getattr(fun, 'method_handler_wrapped', False):
+    return fun
+  is_compact = getattr(fun, 'compact', False)
+  fun_name = getattr(fun, '__name__', 'unnamed')
+
+  @functools.wraps(fun)
+  def wrapped(*args, **kwargs):
+    if args and isinstance(args[0], Module):
+      return args[0]._call_wrapped_method(fun, fun_name, is_compact,
+                                          args[1:], kwargs)
+    return fun(*args, **kwargs)
+
+  wrapped.method_handler_wrapped = True
+  return wrapped
+
+
+# -- trees of submodules -------------------------------------------------------
+
+
+def _has_module(val) -> bool:
+  if isinstance(val, Module):
+    return True
+  if isinstance(val, (list, tuple)):
+    return any(_has_module(v) for v in val)
+  if isinstance(val, (dict, FrozenDict)):
+    return any(_has_module(v) for v in val.values())
+  return False
+
+
+def _map_modules(fn, val, suffix=''):
+  """Maps ``fn(suffix, module)`` over modules nested in lists/tuples/dicts;
+  suffixes are ``_0``, ``_key``, ``_0_key``... as Linen names them."""
+  if isinstance(val, Module):
+    return fn(suffix, val)
+  if isinstance(val, (dict, FrozenDict)):
+    return {k: _map_modules(fn, v, f'{suffix}_{k}') for k, v in val.items()}
+  if isinstance(val, (list, tuple)) and not hasattr(val, '_fields'):
+    return type(val)(_map_modules(fn, v, f'{suffix}_{i}')
+                     for i, v in enumerate(val))
+  return val
+
+
+def _freeze_attr(val):
+  if isinstance(val, (dict, FrozenDict)):
+    return FrozenDict({k: _freeze_attr(v) for k, v in val.items()},
+                      __unsafe_skip_copy__=True)
+  if isinstance(val, list) or (type(val) is tuple):
+    return tuple(_freeze_attr(v) for v in val)
+  return val
+
+
+# root scope -> {module id: adopted clone}, so one outside module shared by
+# two fields is adopted once.
+_adoptions: 'weakref.WeakKeyDictionary[Scope, dict]' = weakref.WeakKeyDictionary()
+
+_COPY_PICKLE = frozenset(('__getstate__', '__setstate__', '__getnewargs_ex__',
+                          '__reduce__', '__reduce_ex__', '__copy__',
+                          '__deepcopy__'))
+
+
+def _tuple_reduce(xs, x):
+  return xs + (x,)
+
+
+def _tuple_init():
+  return ()
+
+
+def capture_call_intermediates(module, method_name):
+  return method_name == '__call__'
+
+
+class Module:
+  """Base class of all modules; see the module docstring."""
+
+  scope: Scope | None = None
+  _state = _UNINITIALIZED
+  _init_field_names: tuple = ()
+  _setup_overridden = False
+
+  def __init_subclass__(cls, kw_only: bool = False, **kwargs):
+    super().__init_subclass__(**kwargs)
+    cls._dataclass_transform(kw_only)
+    cls._wrap_methods()
+    cls._init_field_names = tuple(
+        f.name for f in dataclasses.fields(cls) if f.init)
+    cls._setup_overridden = cls.setup is not Module.setup
+    compact_names = {n for n in dir(cls)
+                     if getattr(getattr(cls, n, None), 'compact', False)}
+    if len(compact_names) > 1:
+      raise errors.MultipleMethodsCompactError(
+          f'{cls.__name__} (methods {sorted(compact_names)})')
+
+  @classmethod
+  def _dataclass_transform(cls, kw_only: bool):
+    annotations = cls.__dict__.get('__annotations__', {})
+    if 'parent' in annotations or ('name' in annotations and (
+        annotations['name'] not in (str, 'str', 'Optional[str]', str | None))):
+      raise errors.ReservedModuleAttributeError(annotations)
+    if 'parent' not in getattr(cls, '__dataclass_fields__', {}):
+      if '__annotations__' not in cls.__dict__:
+        cls.__annotations__ = {}
+      cls.__annotations__['parent'] = Any
+      cls.parent = dataclasses.field(default=_unspecified_parent, repr=False,
+                                     compare=False, kw_only=True)
+      cls.__annotations__['name'] = str | None
+      cls.name = dataclasses.field(default=None, kw_only=True)
+    for f in annotations:
+      field = cls.__dict__.get(f)
+      if isinstance(field, dataclasses.Field) and not field.init:
+        field.compare = field.hash = field.repr = False
+    dataclasses.dataclass(cls, eq=True, repr=False, kw_only=kw_only,
+                          unsafe_hash='__hash__' not in cls.__dict__)
+    cls.__hash__ = _checked_hash(cls.__hash__)
+
+  @classmethod
+  def _wrap_methods(cls):
+    fields = set(cls.__dataclass_fields__)
+    for key, attr in list(cls.__dict__.items()):
+      if key.startswith('__') and key != '__call__':
+        continue
+      if key in fields or not callable(attr) or inspect.isclass(attr):
+        continue
+      if isinstance(attr, (staticmethod, classmethod)):
+        continue
+      if getattr(attr, 'nowrap', False):
+        continue
+      setattr(cls, key, _wrap_method(attr))
+
+  # -- construction ------------------------------------------------------------
+
+  def __post_init__(self):
+    object.__setattr__(self, '_id', next(_ids))
+    object.__setattr__(self, '_state', _State())
+    parent = self.parent
+    if parent is _unspecified_parent:
+      parent = _context.module_stack[-1]
+      object.__setattr__(self, 'parent', parent)
+    if parent is None:
+      self._state.initialized = True
+      return
+    if isinstance(parent, Module):
+      if not self._attach_to(parent):
+        return
+    elif isinstance(parent, Scope):
+      object.__setattr__(self, 'scope', parent)
+    else:
+      raise ValueError(f'parent of {type(self).__name__} must be a Module, '
+                       f'a Scope or None, got {type(parent).__name__}')
+    if self._init_field_names and self._has_field_modules():
+      self._register_field_submodules()
+    self._state.initialized = True
+
+  def _attach_to(self, parent: 'Module') -> bool:
+    """Names this module and pushes its scope under ``parent``; False when
+    attachment waits for a setup() attribute assignment."""
+    pstate = parent._state
+    if pstate.in_setup and self.name is None:
+      return False
+    if not parent._initialization_allowed:
+      raise errors.AssignSubModuleError(type(self).__name__)
+    if parent.scope is None:
+      raise errors.CallCompactUnboundModuleError(type(parent).__name__)
+    name = self.name
+    if name is None:
+      prefix = type(self).__name__
+      cursor = pstate.autoname.get(prefix, 0)
+      name = f'{prefix}_{cursor}'
+      pstate.autoname[prefix] = cursor + 1
+      object.__setattr__(self, 'name', name)
+    reuse = pstate.in_setup and pstate.setup_called == TRANSFORMED
+    if not reuse and parent.scope.name_reserved(name):
+      raise errors.NameInUseError('submodule', name,
+                                  f'{type(parent).__name__} at '
+                                  f'{parent.scope.path_text}')
+    pstate.children[name] = self
+    object.__setattr__(self, 'scope', parent.scope.push(name, reuse=reuse))
+    return True
+
+  def _has_field_modules(self) -> bool:
+    d = self.__dict__
+    return any(_has_module(d[n]) for n in self._init_field_names
+               if n != 'parent')
+
+  def _register_field_submodules(self):
+    d = self.__dict__
+    for n in self._init_field_names:
+      if n not in ('parent', 'name') and _has_module(d[n]):
+        self._register_submodules(n, d[n])
+
+  def _register_submodules(self, name: str, val):
+    """Adopts the modules in ``val`` as children named after ``name``."""
+    cache = _adoptions.setdefault(self.scope.root, {})
+    queue = []
+
+    def adopt(suffix, sub):
+      if sub.parent is None:
+        key = sub._id
+        if key in cache:
+          sub = cache[key]
+        else:
+          sub = cache[key] = sub.clone(name=None)
+      if sub.name is None:
+        object.__setattr__(sub, 'parent', self)
+        object.__setattr__(sub, 'name', f'{name}{suffix}')
+        queue.append(sub)
+      return sub
+
+    if _has_module(val):
+      val = _freeze_attr(_map_modules(adopt, val))
+    object.__setattr__(self, name, val)
+    for sub in queue:
+      sub.__post_init__()
+
+  def __setattr__(self, name: str, val):
+    state = self._state
+    if not state.in_setup:
+      if not state.initialized or name.startswith('__'):
+        object.__setattr__(self, name, val)
+        return
+      raise errors.SetAttributeFrozenModuleError(type(self).__name__, name,
+                                                 val)
+    if name in self._init_field_names:
+      raise errors.SetAttributeInModuleSetupError(type(self).__name__, name)
+    self._register_submodules(name, val)
+
+  def __getattr__(self, name: str):
+    if name in _COPY_PICKLE or name.startswith('__'):
+      raise AttributeError(name)
+    self._try_setup()
+    if name in self.__dict__:
+      return self.__dict__[name]
+    msg = f'"{type(self).__name__}" object has no attribute "{name}".'
+    if self.scope is None:
+      msg += (f' If "{name}" is defined in setup(), it exists only while the '
+              'module is bound (inside init/apply, or after bind()).')
+    raise AttributeError(msg)
+
+  def __dir__(self):
+    self._try_setup()
+    return object.__dir__(self)
+
+  def __repr__(self):
+    return _module_repr(self)
+
+  # -- setup and method calls ----------------------------------------------------
+
+  def setup(self):
+    """Override to define submodules and variables lazily; runs once, on the
+    first method call or setup-attribute access of a bound module."""
+
+  def _try_setup(self, shallow: bool = False):
+    state = self._state
+    if state.setup_called == DONE or state.in_setup or self.scope is None:
+      return
+    try:
+      state.in_setup = True
+      if self._init_field_names and self._has_field_modules():
+        self._register_field_submodules()
+      if not shallow:
+        self.setup()
+    finally:
+      state.in_setup = False
+      if not shallow:
+        state.setup_called = DONE
+
+  @property
+  def _initialization_allowed(self) -> bool:
+    state = self._state
+    return not state.initialized or state.in_setup or state.in_compact
+
+  def _call_wrapped_method(self, fun, fun_name, is_compact, args, kwargs):
+    state = self._state
+    is_setup = fun_name == 'setup'
+    if is_setup:
+      if self.scope is None:
+        raise errors.CallSetupUnboundModuleError()
+      recurrent = state.in_setup
+      state.in_setup = True
+    else:
+      if state.setup_called != DONE:
+        self._try_setup()
+    if is_compact:
+      if self.scope is None:
+        raise errors.CallCompactUnboundModuleError(type(self).__name__)
+      recurrent = state.in_compact
+      state.in_compact = True
+    stack = _context.module_stack
+    stack.append(self)
+    try:
+      if _use_named_call and self.scope is not None:
+        label = self.name or type(self).__name__
+        if fun_name != '__call__':
+          label = f'{label}.{fun_name}'
+        with jax.named_scope(label):
+          y = fun(self, *args, **kwargs)
+      else:
+        y = fun(self, *args, **kwargs)
+      capture = _context.capture_stack
+      if capture and capture[-1] and not is_setup and capture[-1](self,
+                                                                  fun_name):
+        self.sow('intermediates', fun_name, y)
+      return y
+    finally:
+      stack.pop()
+      if is_compact:
+        object.__setattr__(self, 'scope', self.scope.rewound())
+      if (is_compact or is_setup) and not recurrent:
+        state.reset()
+
+  # -- cloning ---------------------------------------------------------------------
+
+  def clone(self, *, parent=None, _deep_clone=False, _reset_names=False,
+            **updates):
+    """A copy with ``updates`` applied, attached to ``parent`` (default:
+    unattached)."""
+    d = self.__dict__
+    attrs = {n: d[n] for n in self._init_field_names}
+    attrs['parent'] = parent
+    attrs.update(updates)
+    if _deep_clone is not False:
+      cache = {} if _deep_clone is True else _deep_clone
+
+      def clone_sub(_, m):
+        hit = cache.get(m._id)
+        if hit is None:
+          extra = {'name': None} if _reset_names else {}
+          hit = cache[m._id] = m.clone(_deep_clone=cache,
+                                       _reset_names=_reset_names, **extra)
+        return hit
+
+      for n, v in attrs.items():
+        if n != 'parent' and _has_module(v):
+          attrs[n] = _map_modules(clone_sub, v)
+    return type(self)(**attrs)
+
+  def copy(self, *, parent=_unspecified_parent, name=None, **updates):
+    """A deep copy attached to ``parent`` (default: the current module), with
+    a new automatic name unless ``name`` is given."""
+    return self.clone(parent=parent, name=name, _deep_clone=True, **updates)
+
+  # -- variables and rngs ------------------------------------------------------------
+
+  def _require_scope(self, what: str) -> Scope:
+    if self.scope is None:
+      raise errors.UnboundModuleError(type(self).__name__, what)
+    return self.scope
+
+  def param(self, name: str, init_fn: Callable, *init_args, unbox=True,
+            **init_kwargs):
+    """Declares parameter ``name``; created with
+    ``init_fn(rng, *init_args)`` during init, read from ``params`` after."""
+    if not self._initialization_allowed:
+      raise ValueError('Parameters must be created in setup() or in a '
+                       f'@compact method ({type(self).__name__}.{name}).')
+    scope = self._require_scope('create parameters')
+    value = scope.param(name, init_fn, *init_args, unbox=unbox, **init_kwargs)
+    self._state.children[name] = 'params'
+    return value
+
+  def variable(self, col: str, name: str, init_fn: Callable | None = None,
+               *init_args, unbox=True, **init_kwargs) -> core.Variable:
+    """Declares variable ``name`` of collection ``col``; returns a reference
+    whose ``.value`` can be read and (if ``col`` is mutable) written."""
+    if not self._initialization_allowed:
+      raise ValueError('Variables must be created in setup() or in a '
+                       f'@compact method ({type(self).__name__}.{name}).')
+    scope = self._require_scope('create variables')
+    v = scope.variable(col, name, init_fn, *init_args, unbox=unbox,
+                       **init_kwargs)
+    self._state.children[name] = col
+    return v
+
+  def has_variable(self, col: str, name: str) -> bool:
+    return self._require_scope('look up variables').has_variable(col, name)
+
+  def get_variable(self, col: str, name: str, default=None):
+    return self._require_scope('read variables').get_variable(col, name,
+                                                               default)
+
+  def put_variable(self, col: str, name: str, value):
+    self._require_scope('write variables').put_variable(col, name, value)
+
+  def is_mutable_collection(self, col: str) -> bool:
+    return self._require_scope('check mutability').is_mutable_collection(col)
+
+  def has_rng(self, name: str) -> bool:
+    return self._require_scope('query rngs').has_rng(name)
+
+  def make_rng(self, name: str = 'params'):
+    """A new key from sequence ``name`` (falls back to 'params')."""
+    return self._require_scope('make rngs').make_rng(name)
+
+  def is_initializing(self) -> bool:
+    """True inside ``init`` / ``init_with_output``."""
+    return bool(self._require_scope('check initializing').get_flag(
+        'initializing', False))
+
+  @property
+  def variables(self) -> dict:
+    return self._require_scope('list variables').variables()
+
+  @property
+  def path(self) -> tuple:
+    return self._require_scope('report its path').path
+
+  def sow(self, col: str, name: str, value, reduce_fn=_tuple_reduce,
+          init_fn=_tuple_init) -> bool:
+    """Stores ``value`` in ``col`` (a tuple of values by default); a no-op
+    returning False when ``col`` is not mutable."""
+    scope = self._require_scope('sow values')
+    if not scope.is_mutable_collection(col):
+      return False
+    if scope.has_variable(col, name):
+      xs = scope.get_variable(col, name)
+    else:
+      scope.reserve(name, col)
+      self._state.children[name] = col
+      xs = init_fn()
+    scope.put_variable(col, name, reduce_fn(xs, value))
+    return True
+
+  def perturb(self, name: str, value, collection: str = 'perturbations'):
+    """Adds a zero variable to ``value`` so that its gradient is the gradient
+    with respect to this intermediate value."""
+    scope = self._require_scope('perturb values')
+    if scope.is_mutable_collection(collection) and not scope.has_variable(
+        collection, name):
+      scope.reserve(name, collection)
+      self._state.children[name] = collection
+      scope.put_variable(collection, name,
+                         jax.tree_util.tree_map(jnp.zeros_like, value))
+    if collection in scope.root._variables:
+      if not scope.has_variable(collection, name):
+        raise ValueError(f'Collection "{collection}" is present but has no '
+                         f'perturbation "{name}" at {scope.path_text}.')
+      value = jax.tree_util.tree_map(jnp.add, value,
+                                     scope.get_variable(collection, name))
+    return value
+
+  # -- entry points -----------------------------------------------------------------
+
+  def _module_checks(self):
+    if not isinstance(self, Module):
+      raise errors.InvalidInstanceModuleError()
+    if '_id' not in self.__dict__:
+      raise errors.IncorrectPostInitOverrideError()
+
+  def _resolve_method(self, method):
+    if isinstance(method, str):
+      attr = getattr(self, method)
+      if isinstance(attr, Module):
+        return lambda m, *a, **k: getattr(m, method)(*a, **k)
+      if not callable(attr):
+        raise TypeError(f"'{type(self).__name__}.{method}' must be callable, "
+                        f'got {type(attr)}.')
+      method = attr
+    elif method is None:
+      method = self.__call__
+    return _unbound_fn(method)
+
+  def apply(self, variables, *args, rngs=None, method=None, mutable=False,
+            capture_intermediates=False, **kwargs):
+    """Runs ``method`` (default ``__call__``) with ``variables``; returns the
+    output, or ``(output, mutated_collections)`` when ``mutable``."""
+    self._module_checks()
+    fn = self._resolve_method(method)
+    return apply(fn, self, mutable=mutable,
+                 capture_intermediates=capture_intermediates)(
+                     variables, *args, rngs=rngs, **kwargs)
+
+  def init_with_output(self, rngs, *args, method=None,
+                       mutable=DenyList('intermediates'),
+                       capture_intermediates=False, **kwargs):
+    """Initializes variables; returns ``(output, variables)``."""
+    self._module_checks()
+    fn = self._resolve_method(method)
+    return init_with_output(fn, self, mutable=mutable,
+                            capture_intermediates=capture_intermediates)(
+                                rngs, *args, **kwargs)
+
+  def init(self, rngs, *args, method=None, mutable=DenyList('intermediates'),
+           capture_intermediates=False, **kwargs):
+    """Initializes and returns the variables ``{collection: {...}}``."""
+    return self.init_with_output(
+        rngs, *args, method=method, mutable=mutable,
+        capture_intermediates=capture_intermediates, **kwargs)[1]
+
+  def bind(self, variables, *args, rngs=None, mutable=False):
+    """A bound copy of this module for interactive use."""
+    self._module_checks()
+    del args
+    return self.clone(parent=core.bind(variables, rngs=rngs, mutable=mutable),
+                      _deep_clone=True)
+
+  def unbind(self):
+    """Returns ``(unbound_copy, variables)`` of a bound module."""
+    if self.scope is None:
+      raise errors.CallUnbindOnUnboundModuleError()
+    module = self.clone(_deep_clone=True, _reset_names=True, name=None)
+    return module, self.variables
+
+  def tabulate(self, rngs, *args, **kwargs):
+    """A table of submodules, shapes and parameter counts; see
+    ``liftmods.tabulate``."""
+    from liftmods.summary import tabulate as _tabulate
+    table_kwargs = {k: kwargs.pop(k) for k in list(kwargs)
+                    if k in _tabulate_option_names()}
+    return _tabulate(self, rngs, **table_kwargs)(*args, **kwargs)
+
+
+def _tabulate_option_names():
+  from liftmods.summary import TABULATE_OPTIONS
+  return TABULATE_OPTIONS
+
+
+def _checked_hash(hash_fn):
+
+  @functools.wraps(hash_fn)
+  def wrapped(self):
+    if self.scope is not None:
+      raise TypeError(f'{type(self).__name__} is bound to variables and '
+                      'cannot be hashed; hash an unbound module instead.')
+    try:
+      return hash_fn(self)
+    except TypeError as e:
+      raise TypeError(f'{type(self).__name__} has unhashable attributes: '
+                      f'{e}') from e
+
+  return wrapped
+
+
+def _unbound_fn(method):
+  if inspect.ismethod(method) and isinstance(method.__self__, Module):
+    method = method.__func__
+  if not callable(method):
+    raise errors.ApplyModuleInvalidMethodError(method)
+  try:
+    n_params = len(inspect.signature(method).parameters)
+  except (TypeError, ValueError):
+    n_params = 1
+  if n_params < 1:
+    raise errors.ApplyModuleInvalidMethodError(method)
+  return method
+
+
+def _module_repr(module: Module, indent: int = 0) -> str:
+  cls = type(module)
+  fields = [f for f in dataclasses.fields(cls)
+            if f.name not in ('parent', 'name') and f.repr]
+  if not fields:
+    return f'{cls.__name__}()'
+  pad = ' ' * (indent + 4)
+  lines = []
+  for f in fields:
+    v = module.__dict__.get(f.name)
+    text = _module_repr(v, indent + 4) if isinstance(v, Module) else repr(v)
+    lines.append(f'{pad}{f.name} = {text}')
+  return f'{cls.__name__}(\n' + '\n'.join(lines) + '\n' + ' ' * indent + ')'
+
+
+# -- functional entry points --------------------------------------------------------
+
+
+def _with_capture(capture_intermediates, mutable):
+  if capture_intermediates is True:
+    capture_intermediates = capture_call_intermediates
+  if capture_intermediates:
+    mutable = union(mutable, 'intermediates')
+  return capture_intermediates, mutable
+
+
+def _scope_fn(fn, module, capture):
+
+  @functools.wraps(fn)
+  def scope_fn(scope, *args, **kwargs):
+    _context.capture_stack.append(capture)
+    try:
+      return fn(module.clone(parent=scope, _deep_clone=True), *args, **kwargs)
+    finally:
+      _context.capture_stack.pop()
+
+  return scope_fn
+
+
+def apply(fn, module: Module, mutable=False, capture_intermediates=False):
+  """``fn(bound_module, *args)`` as ``f(variables, *args, rngs=None)``.
+
+  >>> import jax, jax.numpy as jnp, liftmods as nn
+  >>> dense = nn.Dense(2)
+  >>> variables = dense.init(jax.random.key(0), jnp.ones((1, 3)))
+  >>> nn.apply(lambda m, x: m(x) * 2, dense)(variables, jnp.ones((1, 3))).shape
+  (1, 2)
+  """
+  capture, mutable = _with_capture(capture_intermediates, mutable)
+  return core.apply(_scope_fn(fn, module, capture), mutable=mutable)
+
+
+def init_with_output(fn, module: Module, mutable=DenyList('intermediates'),
+                     capture_intermediates=False):
+  """``fn(bound_module, *args)`` as ``f(rngs, *args) -> (out, variables)``."""
+  capture, mutable = _with_capture(capture_intermediates, mutable)
+  return core.init(_scope_fn(fn, module, capture), mutable=mutable)
+
+
+def init(fn, module: Module, mutable=DenyList('intermediates'),
+         capture_intermediates=False):
+  """``fn(bound_module, *args)`` as ``f(rngs, *args) -> variables``."""
+  with_output = init_with_output(fn, module, mutable, capture_intermediates)
+
+  @functools.wraps(with_output)
+  def wrapper(rngs, *args, **kwargs):
+    return with_output(rngs, *args, **kwargs)[1]
+
+  return wrapper
+
+
+def merge_param(name: str, a, b):
+  """Returns whichever of ``a`` (constructor) and ``b`` (call) is not None;
+  both or neither given is an error."""
+  if a is None and b is None:
+    raise ValueError(f'Parameter "{name}" must be passed to the constructor '
+                     'or at call time.')
+  if a is not None and b is not None:
+    raise ValueError(f'Parameter "{name}" was passed to the constructor and '
+                     'at call time; pass it once.')
+  return a if a is not None else b
