@@ -1,12 +1,53 @@
 """liftmods: a Flax-Linen-compatible module system for JAX built around
-lifted transforms. ``import liftmods as nn`` runs Linen model code."""
-from liftmods import core, errors
-from liftmods.core import DenyList, FrozenDict, freeze, unfreeze
-from liftmods.core.scope import Variable
+lifted transforms. ``import liftmods as nn`` runs Linen model code.
+
+>>> import jax, jax.numpy as jnp
+>>> import liftmods as nn
+>>> class MLP(nn.Module):
+...   @nn.compact
+...   def __call__(self, x):
+...     return nn.Dense(2)(nn.relu(nn.Dense(8)(x)))
+>>> variables = MLP().init(jax.random.key(0), jnp.ones((1, 3)))
+>>> sorted(variables['params'])
+['Dense_0', 'Dense_1']
+"""
+from liftmods import core, errors, initializers
+from liftmods.activation import (celu, elu, gelu, glu, hard_sigmoid,
+                                 hard_silu, hard_swish, hard_tanh, leaky_relu,
+                                 log_sigmoid, log_softmax, logsumexp,
+                                 normalize, one_hot, relu, relu6, selu,
+                                 sigmoid, silu, soft_sign, softmax, softplus,
+                                 standardize, swish, tanh)
+from liftmods.attention_fns import (combine_masks, dot_product_attention,
+                                    dot_product_attention_weights,
+                                    make_attention_mask, make_causal_mask)
+from liftmods.core import DenyList, FrozenDict, freeze, meta, unfreeze
 from liftmods.core.meta import (AxisMetadata, Partitioned, get_partition_spec,
                                 get_sharding, with_partitioning)
-from liftmods.core import meta
+from liftmods.core.scope import Variable
+from liftmods.dtypes import canonicalize_dtype, promote_dtype
+from liftmods.initializers import ones, ones_init, zeros, zeros_init
+from liftmods.layers.activation_modules import PReLU
+from liftmods.layers.attention import (MultiHeadAttention,
+                                       MultiHeadDotProductAttention,
+                                       SelfAttention)
+from liftmods.layers.combinators import Sequential
+from liftmods.layers.linear import (Conv, ConvLocal, ConvTranspose, Dense,
+                                    DenseGeneral, Einsum, Embed)
+from liftmods.layers.normalization import (BatchNorm, GroupNorm, InstanceNorm,
+                                           LayerNorm, RMSNorm)
+from liftmods.layers.recurrent import (ConvLSTMCell, GRUCell, LSTMCell,
+                                       MGUCell, OptimizedLSTMCell, RNNCellBase,
+                                       SimpleCell)
+from liftmods.layers.stochastic import Dropout
 from liftmods.module import (Module, apply, compact, init, init_with_output,
                              merge_param, nowrap)
+from liftmods.pooling import avg_pool, max_pool, min_pool, pool
+from liftmods.summary import tabulate
 
 __version__ = '0.1.0'
+from liftmods.core.lift import broadcast
+from liftmods.transforms import (add_metadata_axis, checkpoint, cond,
+                                 custom_vjp, grad, jit, jvp, map_variables,
+                                 named_call, remat, remat_scan, scan, switch,
+                                 value_and_grad, vjp, vmap, while_loop)

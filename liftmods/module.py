@@ -24,6 +24,7 @@ import functools
 import inspect
 import itertools
 import threading
+import types
 import weakref
 from typing import Any, Callable
 
@@ -64,9 +65,10 @@ class _State:
   """Per-instance bookkeeping reset after every compact/setup call."""
 
   __slots__ = ('in_compact', 'in_setup', 'setup_called', 'initialized',
-               'autoname', 'children')
+               'autoname', 'children', 'fields_bound')
 
   def __init__(self):
+    self.fields_bound = False
     self.in_compact = False
     self.in_setup = False
     self.setup_called = NEW
@@ -136,7 +138,14 @@ def _wrap_method(fun):
 # -- trees of submodules -------------------------------------------------------
 
 
+_LEAF_TYPES = frozenset((int, float, bool, str, type(None), type, complex,
+                         types.FunctionType, types.BuiltinFunctionType,
+                         functools.partial))
+
+
 def _has_module(val) -> bool:
+  if type(val) in _LEAF_TYPES:
+    return False
   if isinstance(val, Module):
     return True
   if isinstance(val, (list, tuple)):
@@ -266,8 +275,7 @@ class Module:
     else:
       raise ValueError(f'parent of {type(self).__name__} must be a Module, '
                        f'a Scope or None, got {type(parent).__name__}')
-    if self._init_field_names and self._has_field_modules():
-      self._register_field_submodules()
+    self._bind_fields()
     self._state.initialized = True
 
   def _attach_to(self, parent: 'Module') -> bool:
@@ -296,16 +304,13 @@ class Module:
     object.__setattr__(self, 'scope', parent.scope.push(name, reuse=reuse))
     return True
 
-  def _has_field_modules(self) -> bool:
-    d = self.__dict__
-    return any(_has_module(d[n]) for n in self._init_field_names
-               if n != 'parent')
-
-  def _register_field_submodules(self):
+  def _bind_fields(self):
+    """Adopts modules held in dataclass fields (once per bound instance)."""
     d = self.__dict__
     for n in self._init_field_names:
-      if n not in ('parent', 'name') and _has_module(d[n]):
+      if n != 'parent' and _has_module(d[n]):
         self._register_submodules(n, d[n])
+    self._state.fields_bound = True
 
   def _register_submodules(self, name: str, val):
     """Adopts the modules in ``val`` as children named after ``name``."""
@@ -374,8 +379,8 @@ class Module:
       return
     try:
       state.in_setup = True
-      if self._init_field_names and self._has_field_modules():
-        self._register_field_submodules()
+      if not state.fields_bound:
+        self._bind_fields()
       if not shallow:
         self.setup()
     finally:

@@ -284,7 +284,7 @@ class Scope:
     params = self._collection('params')
     if name in params:
       value = params[name]
-      if unbox:
+      if unbox and not hasattr(value, 'shape'):
         value = meta.unbox(value)
       _check_shapes(name, self, value, init_fn, init_args, init_kwargs)
       return value
@@ -294,7 +294,7 @@ class Scope:
       raise errors.ScopeParamNotFoundError(name, self.path_text)
     value = init_fn(self.make_rng('params'), *init_args, **init_kwargs)
     self.put_variable('params', name, value)
-    return meta.unbox(value) if unbox else value
+    return meta.unbox(value) if unbox and not hasattr(value, 'shape') else value
 
   # -- rngs ------------------------------------------------------------------
 
@@ -324,14 +324,25 @@ _SHAPE_CACHE: dict = {}
 _SHAPE_CACHE_LIMIT = 4096
 
 
+def _fn_key(fn):
+  """A hashable identity for an initializer that survives re-creation: two
+  closures of the same code over equal values compute the same shapes."""
+  if isinstance(fn, functools.partial):
+    return (_fn_key(fn.func), fn.args, tuple(sorted(fn.keywords.items())))
+  code = getattr(fn, '__code__', None)
+  if code is None:
+    return fn
+  cells = tuple(c.cell_contents for c in (fn.__closure__ or ()))
+  return (code, cells, fn.__defaults__)
+
+
 def _expected_shapes(init_fn, init_args, init_kwargs):
-  key = None
   try:
-    key = (init_fn, init_args, tuple(sorted(init_kwargs.items())))
+    key = (_fn_key(init_fn), init_args, tuple(sorted(init_kwargs.items())))
     hit = _SHAPE_CACHE.get(key)
     if hit is not None:
       return hit
-  except TypeError:  # unhashable arguments: no caching
+  except (TypeError, ValueError):  # unhashable parts: no caching
     key = None
   abstract = jax.eval_shape(
       lambda: init_fn(jax.random.key(0), *init_args, **init_kwargs))
@@ -346,7 +357,8 @@ def _expected_shapes(init_fn, init_args, init_kwargs):
 
 def _check_shapes(name, scope, value, init_fn, init_args, init_kwargs):
   expected = _expected_shapes(init_fn, init_args, init_kwargs)
-  leaves = jax.tree_util.tree_leaves(value)
+  leaves = (value,) if hasattr(value, 'shape') else jax.tree_util.tree_leaves(
+      value)
   for leaf, shape in zip(leaves, expected):
     if np.shape(leaf) != shape:
       raise errors.ScopeParamShapeError(name, scope.path_text, np.shape(leaf),

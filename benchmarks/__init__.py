@@ -1,0 +1,1 @@
+"""Benchmarks: absl binaries comparing liftmods, flax.linen and hand-written JAX."""

@@ -1,0 +1,1 @@
+"""Layers: the Linen layer classes (linear, convolution, embedding, ...)."""

@@ -1,0 +1,387 @@
+"""Module summaries: ``tabulate`` shows one row per module method call.
+
+The model is initialized abstractly (``jax.eval_shape`` over ``init``, so no
+FLOPs are spent and no memory is allocated) while every wrapped module method
+call is recorded: its path, class, method, and the shapes of its inputs and
+outputs. Each row then lists the variables the module owns, per collection,
+and the table ends with per-collection totals.
+
+>>> import jax, jax.numpy as jnp
+>>> import liftmods as nn
+>>> class Affine(nn.Module):
+...   features: int
+...   @nn.compact
+...   def __call__(self, x):
+...     ones = jax.nn.initializers.ones
+...     w = self.param('w', ones, (x.shape[-1], self.features))
+...     return x @ w
+>>> class Model(nn.Module):
+...   @nn.compact
+...   def __call__(self, x):
+...     h = Affine(4)(x)
+...     return Affine(2)(h)
+>>> print(Model().tabulate(jax.random.key(0), jnp.ones((1, 3))))
+                            Model Summary
+┌──────────┬────────┬──────────────┬──────────────┬─────────────────┐
+│ path     │ module │ inputs       │ outputs      │ params          │
+╞══════════╪════════╪══════════════╪══════════════╪═════════════════╡
+│          │ Model  │ float32[1,3] │ float32[1,2] │                 │
+├──────────┼────────┼──────────────┼──────────────┼─────────────────┤
+│ Affine_0 │ Affine │ float32[1,3] │ float32[1,4] │ w: float32[3,4] │
+│          │        │              │              │                 │
+│          │        │              │              │ 12 (48 B)       │
+├──────────┼────────┼──────────────┼──────────────┼─────────────────┤
+│ Affine_1 │ Affine │ float32[1,4] │ float32[1,2] │ w: float32[4,2] │
+│          │        │              │              │                 │
+│          │        │              │              │ 8 (32 B)        │
+├──────────┼────────┼──────────────┼──────────────┼─────────────────┤
+│          │        │              │        Total │ 20 (80 B)       │
+└──────────┴────────┴──────────────┴──────────────┴─────────────────┘
+<BLANKLINE>
+                     Total Parameters: 20 (80 B)
+"""
+import contextlib
+import dataclasses
+import math
+import threading
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from liftmods.core import meta
+from liftmods.core.filters import DenyList
+from liftmods.module import Module
+
+# Keyword arguments of ``tabulate`` that ``Module.tabulate`` routes here
+# (everything else goes to ``init``).
+TABULATE_OPTIONS = frozenset((
+    'depth', 'show_repeated', 'mutable', 'console_kwargs', 'table_kwargs',
+    'column_kwargs', 'compute_flops', 'compute_vjp_flops'))
+
+
+def tabulate(module: Module, rngs, depth: int | None = None,
+             show_repeated: bool = False, mutable=DenyList('intermediates'),
+             console_kwargs: Mapping[str, Any] | None = None,
+             table_kwargs: Mapping[str, Any] = MappingProxyType({}),
+             column_kwargs: Mapping[str, Any] = MappingProxyType({}),
+             compute_flops: bool = False, compute_vjp_flops: bool = False,
+             **init_kwargs) -> Callable[..., str]:
+  """Returns ``fn(*args, **kwargs) -> str``: a table of ``module``'s calls.
+
+  ``args``/``kwargs`` (and any extra ``init_kwargs``, e.g. ``method``) are
+  passed to ``module.init(rngs, ...)``. Arguments:
+
+  * ``depth``: rows deeper than this are hidden; a row at exactly ``depth``
+    counts the variables of its whole subtree, so the rows still add up.
+  * ``show_repeated``: also show second and later calls of a module (with
+    no variables, which the first call already counted).
+  * ``mutable``: as for ``init``.
+  * ``compute_flops`` / ``compute_vjp_flops``: add columns with the XLA cost
+    estimate of each call's forward pass / of its VJP (compiles every call).
+  * ``table_kwargs``: ``title`` and ``show_lines`` are honoured;
+    ``column_kwargs``: ``justify`` ('left', 'center', 'right') is honoured.
+    Other keys (and ``console_kwargs``) configure ``rich`` in Linen and are
+    accepted and ignored: the table is plain text.
+  """
+  del console_kwargs  # no console: plain text
+
+  def tabulate_fn(*args, **kwargs) -> str:
+    kwargs = {'mutable': mutable, **init_kwargs, **kwargs}
+    calls, variables = _record_init(module, rngs, args, kwargs)
+    rows = _rows(calls, variables, depth, show_repeated)
+    extra = [name for name, on in (('flops', compute_flops),
+                                   ('vjp_flops', compute_vjp_flops)) if on]
+    for row in rows:
+      row.extra = [_call_flops(row.call, rngs, name == 'vjp_flops')
+                   for name in extra]
+    return _render(type(module).__name__, rows, variables, extra,
+                   dict(table_kwargs), dict(column_kwargs))
+
+  return tabulate_fn
+
+
+# -- recording calls -----------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Call:
+  path: tuple
+  module: Module
+  method: str
+  args: tuple
+  kwargs: dict
+  outputs: Any = None
+
+
+_local = threading.local()  # .calls: the list this thread records into
+_patch_lock = threading.Lock()
+_patch_users = 0
+_original_call = None
+
+
+def _recording_call(self, fun, fun_name, is_compact, args, kwargs):
+  calls = getattr(_local, 'calls', None)
+  if calls is None or fun_name == 'setup' or self.scope is None:
+    return _original_call(self, fun, fun_name, is_compact, args, kwargs)
+  call = _Call(self.scope.path, self, fun_name, _shapes(args), _shapes(kwargs))
+  calls.append(call)  # appended on entry: parents come before children
+  out = _original_call(self, fun, fun_name, is_compact, args, kwargs)
+  call.outputs = _shapes(out)
+  return out
+
+
+@contextlib.contextmanager
+def _recording():
+  """Records this thread's module method calls into the yielded list, by
+  wrapping ``Module._call_wrapped_method`` while any thread records."""
+  global _patch_users, _original_call
+  with _patch_lock:
+    if _patch_users == 0:
+      _original_call = Module.__dict__['_call_wrapped_method']
+      Module._call_wrapped_method = _recording_call
+    _patch_users += 1
+  outer = getattr(_local, 'calls', None)
+  _local.calls = calls = []
+  try:
+    yield calls
+  finally:
+    _local.calls = outer
+    with _patch_lock:
+      _patch_users -= 1
+      if _patch_users == 0:
+        Module._call_wrapped_method = _original_call
+
+
+def _shapes(tree):
+  """``tree`` with arrays replaced by ShapeDtypeStructs (tracer-free)."""
+  return jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if _is_array(x) else x,
+      tree, is_leaf=lambda x: x is None)
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+
+
+def _split(tree):
+  """``(array_leaves, rebuild)``: ``rebuild(new_leaves)`` is ``tree`` with its
+  array leaves replaced; other leaves stay static Python values."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  where = [i for i, x in enumerate(leaves) if _is_array(x)]
+
+  def rebuild(arrays):
+    new = list(leaves)
+    for i, x in zip(where, arrays):
+      new[i] = x
+    return treedef.unflatten(new)
+
+  return [leaves[i] for i in where], rebuild
+
+
+def _record_init(module, rngs, args, kwargs):
+  arrays, rebuild = _split((rngs, args, kwargs))
+
+  def init(arrays):
+    rngs, args, kwargs = rebuild(arrays)
+    return module.init(rngs, *args, **kwargs)
+
+  with _recording() as calls:
+    variables = jax.eval_shape(init, arrays)
+  return calls, variables
+
+
+def _call_flops(call: _Call, rngs, vjp: bool) -> int:
+  """XLA's FLOP estimate for re-running ``call`` on its own module copy."""
+  module = call.module.clone(parent=None, name=None, _deep_clone=True)
+  arrays, rebuild = _split((call.args, call.kwargs))
+  apply_rngs = rngs if isinstance(rngs, Mapping) else {'params': rngs}
+
+  def init(arrays):
+    args, kwargs = rebuild(arrays)
+    return module.init(rngs, *args, method=call.method, **kwargs)
+
+  def forward(variables, arrays):
+    args, kwargs = rebuild(arrays)
+    return module.apply(variables, *args, rngs=apply_rngs, method=call.method,
+                        mutable=True, **kwargs)
+
+  def backward(variables, arrays):
+    out, pullback, _ = jax.vjp(forward, variables, arrays, has_aux=True)
+    return pullback(out)
+
+  variables = jax.eval_shape(init, arrays)
+  cost = jax.jit(backward if vjp else forward).lower(
+      variables, arrays).cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else None
+  return int(cost.get('flops', 0)) if cost else 0
+
+
+# -- rows ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Row:
+  call: _Call
+  own: dict      # {collection: this module's own variables}
+  counted: dict  # {collection: the variables this row's counts cover}
+  extra: list = dataclasses.field(default_factory=list)
+
+
+def _rows(calls, variables, depth, show_repeated) -> list:
+  called = {c.path for c in calls}
+  seen = set()
+  rows = []
+  for c in calls:
+    if depth is not None and len(c.path) > depth:
+      continue
+    if c.path in seen:
+      if show_repeated:
+        rows.append(_Row(c, {}, {}))
+      continue
+    seen.add(c.path)
+    subtree = _at_path(variables, c.path)
+    own = {col: {k: v for k, v in tree.items() if c.path + (k,) not in called}
+           for col, tree in subtree.items()}
+    collapsed = depth is not None and len(c.path) == depth
+    rows.append(_Row(c, own, subtree if collapsed else own))
+  return rows
+
+
+def _at_path(variables, path) -> dict:
+  out = {}
+  for col, tree in variables.items():
+    for name in path:
+      tree = tree.get(name) if isinstance(tree, Mapping) else None
+    if isinstance(tree, Mapping):
+      out[col] = tree
+  return out
+
+
+def _size_and_bytes(tree) -> tuple[int, int]:
+  leaves = jax.tree_util.tree_leaves(tree)
+  sizes = [(math.prod(x.shape), getattr(x.dtype, 'itemsize', 0))
+           for x in leaves if hasattr(x, 'shape')]
+  return sum(n for n, _ in sizes), sum(n * b for n, b in sizes)
+
+
+# -- rendering -----------------------------------------------------------------
+
+
+def _bytes_repr(n: int) -> str:
+  for unit, scale in (('GB', 1e9), ('MB', 1e6), ('KB', 1e3)):
+    if n > scale:
+      return f'{n / scale:,.1f} {unit}'
+  return f'{n:,} B'
+
+
+def _count_repr(size: int, num_bytes: int) -> str:
+  return f'{size:,} ({_bytes_repr(num_bytes)})'
+
+
+def _leaf_repr(x) -> str:
+  if isinstance(x, meta.Partitioned):
+    names = ', '.join(map(repr, x.names))
+    return f'{_leaf_repr(x.value)} P({names})'
+  if isinstance(x, meta.AxisMetadata):
+    return _leaf_repr(x.unbox())
+  if hasattr(x, 'shape') and hasattr(x, 'dtype'):
+    return f'{x.dtype}[{",".join(map(str, x.shape))}]'
+  return repr(x)
+
+
+def _tree_lines(x) -> list:
+  """A YAML-like rendering: ``key: leaf`` / ``- leaf``; nested structures
+  are indented by two spaces (a list item starts on the dash's line)."""
+  if isinstance(x, Mapping):
+    items, inline = [(f'{k}:', v) for k, v in x.items()], False
+  elif isinstance(x, (list, tuple)):
+    items, inline = [('-', v) for v in x], True
+  else:
+    return [_leaf_repr(x)]
+  lines = []
+  for label, v in items:
+    sub = _tree_lines(v) or ['']
+    if isinstance(v, (Mapping, list, tuple)) and v and not inline:
+      lines += [label] + ['  ' + line for line in sub]
+    else:
+      lines += [f'{label} {sub[0]}'.rstrip()] + ['  ' + l for l in sub[1:]]
+  return lines
+
+
+def _inputs(args, kwargs):
+  if args and kwargs:
+    return (*args, kwargs)
+  if args:
+    return args[0] if len(args) == 1 else args
+  return kwargs or ()
+
+
+def _render(name, rows, variables, extra, table_kwargs, column_kwargs) -> str:
+  cols = sorted(variables, key=lambda col: col != 'params')  # params first
+  header = ['path', 'module', 'inputs', 'outputs', *extra, *cols]
+  body = []
+  for row in rows:
+    c = row.call
+    method = '' if c.method == '__call__' else f' ({c.method})'
+    cells = [['/'.join(c.path)], [type(c.module).__name__ + method],
+             _tree_lines(_inputs(c.args, c.kwargs)),
+             _tree_lines(c.outputs), *([str(n)] for n in row.extra)]
+    for col in cols:
+      lines = _tree_lines(row.own[col]) if row.own.get(col) else []
+      size, num_bytes = _size_and_bytes(row.counted.get(col, {}))
+      if size:
+        lines += ([''] if lines else []) + [_count_repr(size, num_bytes)]
+      cells.append(lines)
+    body.append(cells)
+  totals = {col: _size_and_bytes(variables[col]) for col in cols}
+  n_labels = len(header) - len(cols)
+  footer = [[''] for _ in range(n_labels - 1)] + [['Total']] + [
+      [_count_repr(*totals[col])] for col in cols]
+
+  title = table_kwargs.get('title', f'{name} Summary')
+  lines = _box(header, body, footer, n_labels,
+               column_kwargs.get('justify', 'left'),
+               table_kwargs.get('show_lines', True))
+  width = len(lines[0])
+  size = sum(s for s, _ in totals.values())
+  num_bytes = sum(b for _, b in totals.values())
+  caption = f'Total Parameters: {_count_repr(size, num_bytes)}'
+  return '\n'.join([title.center(width).rstrip(), *lines, '',
+                    caption.center(width).rstrip()])
+
+
+def _box(header, body, footer, n_labels, justify, show_lines) -> list:
+  """Draws ``header``, ``body`` and ``footer`` rows (lists of cells, each a
+  list of lines) as a box-drawn table; the footer's label cells are
+  right-aligned."""
+  all_rows = [[[h] for h in header], *body, footer]
+  widths = [max(len(line) for r in all_rows for line in (r[i] or ['']))
+            for i in range(len(header))]
+  align = {'left': str.ljust, 'right': str.rjust, 'center': str.center}[
+      justify]
+
+  def rule(left, fill, mid, right):
+    return left + mid.join(fill * (w + 2) for w in widths) + right
+
+  def draw(cells, aligns):
+    height = max(len(cell) for cell in cells) or 1
+    return ['│' + '│'.join(
+        f' {a(cell[i] if i < len(cell) else "", w)} '
+        for cell, w, a in zip(cells, widths, aligns)) + '│'
+            for i in range(height)]
+
+  plain = [align] * len(header)
+  footer_aligns = [str.rjust] * n_labels + plain[n_labels:]
+  lines = [rule('┌', '─', '┬', '┐'), *draw(all_rows[0], plain),
+           rule('╞', '═', '╪', '╡')]
+  for i, cells in enumerate(body):
+    if i and show_lines:
+      lines.append(rule('├', '─', '┼', '┤'))
+    lines += draw(cells, plain)
+  lines += [rule('├', '─', '┼', '┤'), *draw(footer, footer_aligns),
+            rule('└', '─', '┴', '┘')]
+  return lines

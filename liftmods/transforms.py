@@ -1,0 +1,634 @@
+"""Module-level lifted transforms.
+
+A core transform (``liftmods.core.lift``) works on scope functions. To lift a
+module method, the scopes it touches — the module's own, those of modules held
+in its fields, and those of modules or Variables passed as arguments — are
+collected into a list and replaced by placeholders; the core transform runs a
+function that rebuilds clones of the modules on the inner scopes it is given
+and calls the original method on them.
+
+Applied to a Module class, a transform returns a subclass (named e.g.
+``VmapBlock``) whose selected methods run under it; applied to a function
+``fn(module, *args)``, it returns the lifted function.
+
+>>> import jax, jax.numpy as jnp, liftmods as nn
+>>> Stack = nn.vmap(nn.Dense, variable_axes={'params': 0},
+...                 split_rngs={'params': True}, in_axes=None, axis_size=3)
+>>> variables = Stack(2).init(jax.random.key(0), jnp.ones((4,)))
+>>> variables['params']['kernel'].shape
+(3, 4, 2)
+"""
+import dataclasses
+import functools
+import inspect
+from typing import Any, Callable
+
+import jax
+
+from liftmods import errors
+from liftmods.core import lift
+from liftmods.core import meta
+from liftmods.core.frozen_dict import FrozenDict
+from liftmods.core.scope import Scope, Variable
+from liftmods.module import (Module, _map_modules, _has_module, _unbound_fn,
+                             _wrap_method)
+
+
+# -- collecting and restoring scopes ------------------------------------------------
+
+
+class _ModuleSlot:
+  """Stands for a bound module passed as an argument across a transform."""
+
+  __slots__ = ('cls', 'attrs', 'key')
+
+  def __init__(self, cls, attrs, key):
+    self.cls, self.attrs, self.key = cls, attrs, key
+
+
+class _VariableSlot:
+  """Stands for a Variable passed as an argument across a transform."""
+
+  __slots__ = ('collection', 'name', 'unbox', 'key')
+
+  def __init__(self, collection, name, unbox, key):
+    self.collection, self.name, self.unbox = collection, name, unbox
+    self.key = key
+
+
+def _is_slot(x):
+  return isinstance(x, (_ModuleSlot, _VariableSlot))
+
+
+def _field_attrs(module: Module) -> dict:
+  d = module.__dict__
+  return {n: d[n] for n in module._init_field_names if n != 'parent'}
+
+
+def _bound(x) -> bool:
+  return isinstance(x, (Module, Variable)) and isinstance(x.scope, Scope)
+
+
+def _needs_walk(args, kwargs) -> bool:
+  leaves = jax.tree_util.tree_leaves((args, kwargs), is_leaf=_bound)
+  return any(_bound(x) for x in leaves)
+
+
+def get_module_scopes(module: Module, args=(), kwargs=None):
+  """Returns ``(scopes, args, kwargs)``: every scope ``module`` and its
+  arguments touch, with bound modules/Variables in the arguments swapped for
+  slots. The order is the one ``set_module_scopes`` reads back."""
+  kwargs = kwargs or {}
+  scopes, seen = [], {}
+
+  def arg_slot(x):
+    if not _bound(x):
+      return x
+    key = x._id if isinstance(x, Module) else id(x)
+    if key in seen:
+      return seen[key]
+    if isinstance(x, Variable):
+      scopes.append(x.scope)
+      slot = _VariableSlot(x.collection, x.name, x.unbox, key)
+    else:
+      x._try_setup(shallow=True)
+      scopes.append(x.scope)
+      attrs = jax.tree_util.tree_map(arg_slot, _field_attrs(x), is_leaf=_bound)
+      slot = _ModuleSlot(type(x), attrs, key)
+    seen[key] = slot
+    return slot
+
+  if _needs_walk(args, kwargs):
+    args, kwargs = jax.tree_util.tree_map(arg_slot, (args, kwargs),
+                                          is_leaf=_bound)
+
+  def module_scopes(m: Module):
+    if m._id in seen:
+      return
+    seen[m._id] = m
+    m._try_setup(shallow=True)
+    for v in _field_attrs(m).values():
+      for leaf in jax.tree_util.tree_leaves(v, is_leaf=_bound):
+        if isinstance(leaf, Module) and isinstance(leaf.scope, Scope):
+          module_scopes(leaf)
+        elif isinstance(leaf, Variable) and isinstance(leaf.scope, Scope):
+          scopes.append(leaf.scope)
+    scopes.append(m.scope)
+
+  module_scopes(module)
+  return scopes, args, kwargs
+
+
+def set_module_scopes(module: Module, args, kwargs, scopes, cls=None):
+  """Inverse of ``get_module_scopes``: a clone of ``module`` (built as
+  ``cls``) and of its argument modules, bound to ``scopes`` in order."""
+  it = iter(scopes)
+  made = {}
+
+  def from_slot(x):
+    if not _is_slot(x):
+      return x
+    if x.key in made:
+      return made[x.key]
+    if isinstance(x, _VariableSlot):
+      out = Variable(next(it), x.collection, x.name, x.unbox)
+    else:
+      scope = next(it)
+      attrs = jax.tree_util.tree_map(from_slot, x.attrs, is_leaf=_is_slot)
+      out = x.cls(parent=scope, **attrs)
+    made[x.key] = out
+    return out
+
+  if any(_is_slot(x) for x in jax.tree_util.tree_leaves(
+      (args, kwargs), is_leaf=_is_slot)):
+    args, kwargs = jax.tree_util.tree_map(from_slot, (args, kwargs),
+                                          is_leaf=_is_slot)
+
+  def rebind(m: Module, as_cls=None):
+    if m._id in made:
+      return made[m._id]
+
+    def field_leaf(x):
+      if isinstance(x, Module) and isinstance(x.scope, Scope):
+        return rebind(x)
+      if isinstance(x, Variable) and isinstance(x.scope, Scope):
+        return Variable(next(it), x.collection, x.name, x.unbox)
+      return x
+
+    attrs = {n: (jax.tree_util.tree_map(field_leaf, v, is_leaf=_bound)
+                 if _has_bound(v) else v)
+             for n, v in _field_attrs(m).items()}
+    out = (as_cls or type(m))(parent=next(it), **attrs)
+    made[m._id] = out
+    return out
+
+  return rebind(module, cls), args, kwargs
+
+
+def _has_bound(v) -> bool:
+  if _bound(v):
+    return True
+  if isinstance(v, (list, tuple)):
+    return any(_has_bound(x) for x in v)
+  if isinstance(v, (dict, FrozenDict)):
+    return any(_has_bound(x) for x in v.values())
+  return False
+
+
+def _check_return(tree, method_name):
+  if any(isinstance(x, (Module, Variable))
+         for x in jax.tree_util.tree_leaves(tree, is_leaf=_bound)):
+    raise errors.TransformedMethodReturnValueError(method_name)
+
+
+# -- lifting a method, a class or a function ----------------------------------------
+
+
+def _run_on_clone(self, fn, fn_name, scopes, args, kwargs, cls=None):
+  state = self._state.export()
+  clone, args, kwargs = set_module_scopes(self, args, kwargs, scopes, cls)
+  object.__setattr__(clone, '_state', state.export())
+  out = fn(clone, *args, **kwargs)
+  self._state.reimport(clone._state)
+  _check_return(out, fn_name)
+  return out
+
+
+def _lift_method(transform, fn, fn_name, trafo_args, trafo_kwargs, cls=None,
+                 multi_scope=True):
+  """``fn(module, *args)`` -> the same under ``transform``."""
+
+  def lifted(self, *args, **kwargs):
+
+    def scope_fn(scopes, *args, **kwargs):
+      if not multi_scope:
+        scopes = [scopes]
+      return _run_on_clone(self, fn, fn_name, scopes, args, kwargs, cls)
+
+    scopes, args, kwargs = get_module_scopes(self, args, kwargs)
+    if not multi_scope:
+      if len(scopes) != 1:
+        raise NotImplementedError(
+            f'{fn_name}: this transform does not support modules passed as '
+            'arguments or fields of the transformed module.')
+      scopes = scopes[0]
+    return transform(scope_fn, *trafo_args, **trafo_kwargs)(scopes, *args,
+                                                            **kwargs)
+
+  return lifted
+
+
+def _method_args(methods, trafo_args, trafo_kwargs):
+  if methods is None:
+    return {'__call__': (trafo_args, trafo_kwargs)}
+  if isinstance(methods, (list, tuple)):
+    return {m: (trafo_args, trafo_kwargs) for m in methods}
+  if isinstance(methods, dict):
+    return {m: ((), kw) for m, kw in methods.items()}
+  raise ValueError('methods must be None, a list/tuple of names or a dict '
+                   f'{{name: transform kwargs}}; got {methods!r}.')
+
+
+def _is_module_class(target) -> bool:
+  if isinstance(target, functools.partial):
+    return _is_module_class(target.func)
+  return inspect.isclass(target) and issubclass(target, Module)
+
+
+def lift_class(transform, name, module_class, *trafo_args, methods=None,
+               **trafo_kwargs):
+  """A subclass of ``module_class`` whose ``methods`` run under
+  ``transform``; named ``{Name}{ModuleClass}`` like Linen's."""
+  partial = None
+  if isinstance(module_class, functools.partial):
+    partial, module_class = module_class, module_class.func
+  lifted = {}
+  for fn_name, (t_args, t_kwargs) in _method_args(
+      methods, trafo_args, trafo_kwargs).items():
+    fn = getattr(module_class, fn_name)
+    method = _lift_method(transform, fn, fn_name, t_args, t_kwargs,
+                          cls=module_class)
+    lifted[fn_name] = functools.wraps(fn)(method)
+  new_cls = type(name.capitalize() + module_class.__name__, (module_class,),
+                 lifted)
+  if partial is not None:
+    return functools.partial(new_cls, *partial.args, **partial.keywords)
+  return new_cls
+
+
+def lift_decorator(transform, class_fns, *trafo_args, multi_scope=True,
+                   **trafo_kwargs):
+  """Lifts method(s) ``class_fns`` (functions taking the module first)."""
+  fns = class_fns if isinstance(class_fns, tuple) else (class_fns,)
+  wrapped = [_wrap_method(f) for f in fns]
+  names = [getattr(f, '__name__', 'fn') for f in fns]
+
+  def lifted(self, *args, **kwargs):
+    state = self._state.export()
+
+    def make_scope_fn(fn, fn_name):
+
+      def scope_fn(scopes, *args, **kwargs):
+        if not multi_scope:
+          scopes = [scopes]
+        clone, args, kwargs = set_module_scopes(self, args, kwargs, scopes)
+        object.__setattr__(clone, '_state', state.export())
+        out = fn(clone, *args, **kwargs)
+        self._state.reimport(clone._state)
+        _check_return(out, fn_name)
+        return out
+
+      return scope_fn
+
+    scope_fns = [make_scope_fn(f, n) for f, n in zip(wrapped, names)]
+    scopes, args, kwargs = get_module_scopes(self, args, kwargs)
+    if not multi_scope:
+      if len(scopes) != 1:
+        raise NotImplementedError(
+            f'{names[0]}: this transform does not support modules passed as '
+            'arguments or fields of the transformed module.')
+      scopes = scopes[0]
+    return transform(*scope_fns, *trafo_args, **trafo_kwargs)(scopes, *args,
+                                                              **kwargs)
+
+  return functools.wraps(wrapped[0])(lifted)
+
+
+def lift_transform(transform, name, target, *trafo_args, methods=None,
+                   **trafo_kwargs):
+  """Dispatches on the target: a Module class or a method/function."""
+  if _is_module_class(target):
+    return lift_class(transform, name, target, *trafo_args, methods=methods,
+                      **trafo_kwargs)
+  if callable(target) and not isinstance(target, Module):
+    return lift_decorator(transform, target, *trafo_args, **trafo_kwargs)
+  raise errors.TransformTargetError(target)
+
+
+def lift_direct(transform, targets, module, *args, multi_scope=True,
+                **kwargs):
+  """Applies ``transform`` to functions of ``module`` right away."""
+  for t in targets:
+    if _is_module_class(t):
+      raise errors.TransformTargetError(t)
+  targets = tuple(_unbound_fn(t) for t in targets)
+  return lift_decorator(lambda *fns: functools.partial(transform, *fns),
+                        targets, multi_scope=multi_scope)(module, *args,
+                                                          **kwargs)
+
+
+# -- the transforms ------------------------------------------------------------------
+
+
+def vmap(target, variable_axes=FrozenDict(), split_rngs=FrozenDict(),
+         in_axes=0, out_axes=0, axis_size=None, axis_name=None,
+         spmd_axis_name=None, metadata_params={}, methods=None):
+  """Vectorizes ``target`` over a batch axis; ``variable_axes`` says which
+  collections are stacked (axis) or shared (None), ``split_rngs`` which rng
+  sequences get a different key per element."""
+  return lift_transform(lift.vmap, 'vmap', target, variable_axes, split_rngs,
+                        methods=methods, in_axes=in_axes, out_axes=out_axes,
+                        axis_size=axis_size, axis_name=axis_name,
+                        metadata_params=metadata_params,
+                        spmd_axis_name=spmd_axis_name)
+
+
+def scan(target, variable_axes=FrozenDict(), variable_broadcast=False,
+         variable_carry=False, split_rngs=FrozenDict(), in_axes=0,
+         out_axes=0, length=None, reverse=False, unroll=1,
+         data_transform=None, metadata_params={}, methods=None,
+         _split_transpose=False, check_constancy_invariants=True):
+  """Loops ``target(carry, *xs) -> (carry, ys)`` over a leading axis with
+  ``lax.scan``; variables are stacked (``variable_axes``), shared and
+  initialised once (``variable_broadcast``) or carried (``variable_carry``)."""
+  del check_constancy_invariants  # liftmods always checks the carry
+  return lift_transform(
+      lift.scan, 'scan', target, variable_axes=variable_axes,
+      variable_broadcast=variable_broadcast, variable_carry=variable_carry,
+      split_rngs=split_rngs, in_axes=in_axes, out_axes=out_axes,
+      length=length, reverse=reverse, unroll=unroll,
+      _split_transpose=_split_transpose, data_transform=data_transform,
+      metadata_params=metadata_params, methods=methods)
+
+
+def checkpoint(target, variables=True, rngs=True, concrete=False,
+               prevent_cse=True, static_argnums=(), policy=None,
+               methods=None):
+  """Rematerializes ``target`` in the backward pass (``jax.checkpoint``);
+  ``static_argnums`` counts ``self`` as argument 0."""
+  if isinstance(static_argnums, int):
+    static_argnums = (static_argnums,)
+  static_argnums = tuple(i - 1 for i in static_argnums)
+  return lift_transform(lift.checkpoint, 'checkpoint', target,
+                        variables=variables, rngs=rngs, concrete=concrete,
+                        static_argnums=static_argnums, prevent_cse=prevent_cse,
+                        policy=policy, methods=methods)
+
+
+remat = checkpoint
+
+
+def remat_scan(target, lengths=(), policy=None, variable_broadcast=False,
+               variable_carry=False, variable_axes=FrozenDict({True: 0}),
+               split_rngs=FrozenDict({True: True})):
+  """``prod(lengths)`` applications of ``target`` as nested rematerialized
+  scans, so gradient memory grows like n**(1/len(lengths))."""
+  return lift_transform(lift.remat_scan, 'remat_scan', target,
+                        lengths=lengths, variable_broadcast=variable_broadcast,
+                        variable_carry=variable_carry,
+                        variable_axes=variable_axes, split_rngs=split_rngs,
+                        policy=policy)
+
+
+def map_variables(target, mapped_collections=True, trans_in_fn=lift.id_fn,
+                  trans_out_fn=lift.id_fn, init=False, mutable=False,
+                  rngs=True, variables=True, methods=None):
+  """Runs ``target`` on variables transformed by ``trans_in_fn`` (and maps
+  writes back through ``trans_out_fn``)."""
+  return lift_transform(lift.map_variables, 'map_variables', target,
+                        mapped_collections, trans_in_fn, trans_out_fn, init,
+                        mutable, rngs, variables, methods=methods)
+
+
+def vjp(fn, mdl, *primals, has_aux=False, reduce_axes=(),
+        vjp_variables='params', variables=True, rngs=True,
+        multi_scope=False):
+  """``jax.vjp`` of ``fn(mdl, *primals)`` w.r.t. the primals and the
+  ``vjp_variables`` collections."""
+  if reduce_axes:
+    raise NotImplementedError('reduce_axes is not supported by vjp.')
+  return lift_direct(lift.vjp, (fn,), mdl, *primals, multi_scope=multi_scope,
+                     has_aux=has_aux, vjp_variables=vjp_variables,
+                     variables=variables, rngs=rngs)
+
+
+def value_and_grad(fn, mdl, *primals, has_aux=False, reduce_axes=(),
+                   variables=True, rngs=True):
+  """``(value, (param_grads, *primal_grads))`` of a scalar ``fn``."""
+  if reduce_axes:
+    raise NotImplementedError('reduce_axes is not supported by value_and_grad.')
+  result = lift_direct(lift.value_and_grad, (fn,), mdl, *primals,
+                       has_aux=has_aux, variables=variables, rngs=rngs)
+  out = result[0]
+  if jax.numpy.shape(out) != ():
+    raise ValueError('value_and_grad needs a scalar output; got shape '
+                     f'{jax.numpy.shape(out)}.')
+  if has_aux:
+    out, aux, grads = result
+    return (out, aux), grads
+  return result
+
+
+def grad(fn, mdl, *primals, has_aux=False, reduce_axes=(), variables=True,
+         rngs=True):
+  """The gradients part of ``value_and_grad``."""
+  out = value_and_grad(fn, mdl, *primals, has_aux=has_aux,
+                       reduce_axes=reduce_axes, variables=variables, rngs=rngs)
+  if has_aux:
+    (_, aux), grads = out
+    return grads, aux
+  return out[1]
+
+
+def jvp(fn, mdl, primals, tangents, variable_tangents, variables=True,
+        rngs=True):
+  """``jax.jvp`` of ``fn(mdl, *primals)`` with tangents for variables too."""
+  return lift_direct(lift.jvp, (fn,), mdl, primals, tangents,
+                     variable_tangents, multi_scope=False,
+                     variables=variables, rngs=rngs)
+
+
+def while_loop(cond_fn, body_fn, mdl, init, carry_variables=False,
+               broadcast_variables=True, split_rngs=FrozenDict()):
+  """``lax.while_loop`` over ``body_fn(mdl, carry)``; ``carry_variables``
+  collections are updated every iteration."""
+  return lift_direct(lift.while_loop, (cond_fn, body_fn), mdl, init,
+                     carry_variables, broadcast_variables, split_rngs)
+
+
+def _cond(true_fn, false_fn, scope, pred, *operands, variables, rngs):
+  return lift.cond(pred, true_fn, false_fn, scope, *operands,
+                   variables=variables, rngs=rngs)
+
+
+def cond(pred, true_fun, false_fun, mdl, *operands, variables=True,
+         rngs=True):
+  """``lax.cond`` between two functions of ``mdl``; during init both
+  branches run so that both create their variables."""
+  return lift_direct(_cond, (true_fun, false_fun), mdl, pred, *operands,
+                     variables=variables, rngs=rngs)
+
+
+def _switch(*args, variables, rngs, n_branches):
+  branches, (scope, index, *operands) = args[:n_branches], args[n_branches:]
+  return lift.switch(index, branches, scope, *operands, variables=variables,
+                     rngs=rngs)
+
+
+def switch(index, branches, mdl, *operands, variables=True, rngs=True):
+  """``lax.switch`` among functions of ``mdl``."""
+  return lift_direct(_switch, tuple(branches), mdl, index, *operands,
+                     variables=variables, rngs=rngs,
+                     n_branches=len(branches))
+
+
+def _custom_vjp_single(fn, scope, *args, **kwargs):
+  return fn(scope, *args, **kwargs)
+
+
+def custom_vjp(fn, forward_fn, backward_fn, grad_vars='params',
+               nondiff_argnums=()):
+  """A method with a custom backward rule that also returns gradients for
+  the ``grad_vars`` collections."""
+
+  def shared_forward(*args, needs_residual, **kwargs):
+    return (forward_fn if needs_residual else fn)(*args, **kwargs)
+
+  return lift_decorator(lift.custom_vjp, shared_forward,
+                        backward_fn=backward_fn, grad_vars=grad_vars,
+                        nondiff_argnums=nondiff_argnums, multi_scope=False)
+
+
+def named_call(class_fn, force=True):
+  """Wraps a method so it appears as a named call in profiles."""
+  from liftmods import module as module_lib
+
+  @functools.wraps(class_fn)
+  def wrapped(self, *args, **kwargs):
+    if (not force and not module_lib._use_named_call) or self._state.in_setup:
+      return class_fn(self, *args, **kwargs)
+    name = self.name or type(self).__name__
+    fn_name = getattr(class_fn, '__name__', '')
+    if fn_name != '__call__':
+      name = f'{name}.{fn_name}'
+    return jax.named_call(class_fn, name=name)(self, *args, **kwargs)
+
+  return wrapped
+
+
+def add_metadata_axis(target, variable_axes=FrozenDict(), metadata_params={}):
+  """Adds (on the way out) / removes (on the way in) an axis in the axis
+  metadata of the ``variable_axes`` collections, without changing values."""
+  for col, axis in variable_axes.items():
+    target = map_variables(
+        target, col,
+        trans_in_fn=lambda x, axis=axis: meta.remove_axis(x, axis,
+                                                          metadata_params),
+        trans_out_fn=lambda x, axis=axis: meta.add_axis(x, axis,
+                                                        metadata_params),
+        mutable=True)
+  return target
+
+
+# -- jit ---------------------------------------------------------------------------------
+
+
+def _fingerprint(value):
+  """A hashable stand-in for a field value: modules by class and fields,
+  containers element-wise, other unhashable values by identity."""
+  if isinstance(value, Module):
+    return (type(value), tuple((n, _fingerprint(v))
+                               for n, v in _field_attrs(value).items()))
+  if isinstance(value, (list, tuple)):
+    return (type(value), tuple(_fingerprint(v) for v in value))
+  if isinstance(value, (dict, FrozenDict)):
+    return (dict, tuple(sorted((k, _fingerprint(v)) for k, v in value.items())))
+  try:
+    hash(value)
+  except TypeError:
+    return ('id', id(value))
+  return value
+
+
+class _ModuleKey:
+  """Hashable by the module's configuration; carries the module itself so
+  that a trace can rebuild it."""
+
+  __slots__ = ('module', 'key', '_hash')
+
+  def __init__(self, module: Module):
+    self.module = module
+    self.key = _fingerprint(module)
+    self._hash = hash(self.key)
+
+  def __hash__(self):
+    return self._hash
+
+  def __eq__(self, other):
+    return isinstance(other, _ModuleKey) and self.key == other.key
+
+
+class _forked_rngs:
+  """Replaces each rng sequence of a scope by a fresh key made from it (as
+  Linen's jit does), restoring the sequences afterwards."""
+
+  __slots__ = ('scope', 'saved')
+
+  def __init__(self, module: Module):
+    self.scope = module.scope
+
+  def __enter__(self):
+    scope = self.scope
+    self.saved = scope.rngs
+    if scope.rngs:
+      scope.rngs = {name: lift.LazyKey(scope.make_rng(name))
+                    for name in self.saved}
+
+  def __exit__(self, *exc):
+    self.scope.rngs = self.saved
+
+
+def _jit_lift(fn, fn_name, cls, trafo_kwargs):
+  """``fn(module, *args)`` under a lifted jit whose compile cache is keyed
+  by the module's configuration (so repeated applies hit it)."""
+  core = None
+
+  def scope_fn(scopes, module_key, *args, **kwargs):
+    return _run_on_clone(module_key.module, fn, fn_name, scopes, args, kwargs,
+                         cls)
+
+  def lifted(self, *args, **kwargs):
+    nonlocal core
+    if core is None:
+      core = lift.jit(scope_fn, **trafo_kwargs)
+    with _forked_rngs(self):
+      scopes, args, kwargs = get_module_scopes(self, args, kwargs)
+      return core(scopes, _ModuleKey(self), *args, **kwargs)
+
+  return lifted
+
+
+def jit(target, variables=True, rngs=True, static_argnums=(),
+        static_argnames=(), donate_argnums=(), device=None, backend=None,
+        methods=None):
+  """Compiles ``target`` with ``jax.jit``; argument numbers count ``self``
+  as 0. Calls with the same module configuration, shapes and rng state hit
+  one compile cache.
+
+  >>> import jax, jax.numpy as jnp, liftmods as nn
+  >>> JitDense = nn.jit(nn.Dense)
+  >>> variables = JitDense(3).init(jax.random.key(0), jnp.ones((1, 2)))
+  >>> JitDense(3).apply(variables, jnp.ones((1, 2))).shape
+  (1, 3)
+  """
+  kwargs = dict(variables=variables, rngs=rngs, static_argnums=static_argnums,
+                static_argnames=static_argnames,
+                donate_argnums=donate_argnums, device=device, backend=backend)
+  if _is_module_class(target):
+    partial = None
+    if isinstance(target, functools.partial):
+      partial, target = target, target.func
+    lifted = {}
+    for fn_name, (_, t_kwargs) in _method_args(methods, (), kwargs).items():
+      fn = getattr(target, fn_name)
+      lifted[fn_name] = functools.wraps(fn)(
+          _jit_lift(fn, fn_name, target, t_kwargs))
+    new_cls = type('Jit' + target.__name__, (target,), lifted)
+    if partial is not None:
+      return functools.partial(new_cls, *partial.args, **partial.keywords)
+    return new_cls
+  if callable(target) and not isinstance(target, Module):
+    fn = _wrap_method(target)
+    fn_name = getattr(target, '__name__', 'fn')
+    return functools.wraps(fn)(_jit_lift(fn, fn_name, None, kwargs))
+  raise errors.TransformTargetError(target)
