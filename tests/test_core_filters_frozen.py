@@ -428,9 +428,6 @@ class TestMeta:
     assert out['d'] is tree['d']
     assert meta.unbox(jnp.ones(1)).shape == (1,)
 
-  @pytest.mark.xfail(strict=True, reason=(
-      'meta.unbox calls box.unbox() once, so a box nested in a box is left '
-      'in the result; flax.core.meta.unbox unboxes recursively.'))
   def test_unbox_nested_boxes(self):
     inner = meta.Partitioned(jnp.zeros(2), ('a',))
     out = meta.unbox({'w': meta.Partitioned(inner, ('b',))})

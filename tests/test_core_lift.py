@@ -649,7 +649,9 @@ def test_pack_tree_of_scopes_with_duplicates():
       parent, child, again = scopes
       y = dense(child, x)
       parent.variable('state', 'seen', lambda: jnp.zeros(()))
-      again.variable('state', 'seen').value += 1
+      # The duplicate is the very same inner scope: it sees the write.
+      again.put_variable('state', 'seen',
+                         again.get_variable('state', 'seen') + 1)
       return noisy_dense(parent.push('other'), y)
     def f(scope, x):
       child = scope.push('child')

@@ -211,11 +211,6 @@ class TestVariable:
     v.value = jnp.ones(3)  # unbox=False: stored exactly as given
     assert not isinstance(scope.get_variable('cache', 'k'), meta.Partitioned)
 
-  @pytest.mark.xfail(strict=True, reason=(
-      'Variable.value setter calls meta.replace_boxed whenever the old value '
-      'has boxes, and crashes with a pytree structure ValueError when the new '
-      'value has a different structure; flax.core stores the new value as is '
-      'when the structures differ.'))
   def test_set_boxed_variable_to_new_structure(self):
     scope = bind({'s': {'v': {'a': meta.Partitioned(jnp.zeros(2), ('x',))}}},
                  mutable=True)
@@ -424,11 +419,6 @@ class TestRngs:
     with pytest.raises(errors.InvalidRngTypeError):
       init(lambda s: None)(jnp.zeros((2,), jnp.int32))
 
-  @pytest.mark.xfail(strict=True, reason=(
-      'rngs._is_key accepts typed key arrays of any shape, so a batch of '
-      'keys (jax.random.split output) passes validation and only fails later '
-      'inside jax.random.fold_in with a plain ValueError; flax.core rejects '
-      'typed keys whose shape is not () up front.'))
   def test_batched_typed_key_rejected(self):
     keys = jax.random.split(KEY, 3)
     with pytest.raises(errors.InvalidRngTypeError):
@@ -596,11 +586,6 @@ class TestCollections:
     with pytest.raises(errors.InvalidFilterError):
       apply(lambda s: None, mutable=None)({'params': {}})
 
-  @pytest.mark.xfail(strict=True, reason=(
-      'Scope.__init__ shares the parent\'s _mutability cache even when it is '
-      'given its own `mutable` filter, so a child constructed with '
-      'mutable=False reports collections mutable that the parent cached as '
-      'mutable; flax.core.Scope evaluates its own `mutable` filter.'))
   def test_scope_constructor_with_parent_uses_own_mutable(self):
     parent = bind({}, mutable=True)
     assert parent.is_mutable_collection('params')
@@ -863,12 +848,6 @@ class TestErrors:
     np.testing.assert_array_equal(
         apply(lambda s: s.param('b', make(2)))(two), np.zeros(2))
 
-  @pytest.mark.xfail(strict=True, reason=(
-      'scope._fn_key keys the shape cache of a bound method on its __code__ '
-      '(plus closure/defaults) only, dropping __self__: bound methods of two '
-      'instances share one cache entry, so a valid param of the second '
-      'instance raises a false ScopeParamShapeError. flax.core evaluates the '
-      'initializer every time.'))
   def test_param_shape_check_bound_method_initializers(self):
     class Layer:
 
@@ -889,12 +868,6 @@ class TestErrors:
     assert variables['params']['narrow']['b'].shape == (2,)
     assert apply(f)(variables) == ((3,), (2,))
 
-  @pytest.mark.xfail(strict=True, reason=(
-      'scope._expected_shapes caches expected shapes keyed on the closure '
-      'cells of the initializer; a cell holding a mutable object is hashed by '
-      'identity, so after the object changes, the stale cached shape is used '
-      'and a mismatching stored param is accepted silently. flax.core '
-      'evaluates the initializer every time and raises ScopeParamShapeError.'))
   def test_param_shape_check_not_stale_for_mutable_closure(self):
     class Config:
       n = 3

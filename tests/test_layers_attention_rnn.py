@@ -69,6 +69,7 @@ def assert_identical(expected, actual):
 
 
 def assert_close(expected, actual, rtol=1e-5, atol=1e-6):
+  return assert_identical(expected, actual)
   assert jax.tree_util.tree_structure(expected) == \
       jax.tree_util.tree_structure(actual)
   for e, a in zip(jax.tree_util.tree_leaves(expected),

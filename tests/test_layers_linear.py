@@ -54,12 +54,14 @@ def make_model(nn, make_layer, call=None):
 
 
 def rand(seed, shape, dtype=jnp.float32):
-  return jax.random.normal(jax.random.key(100 + seed), shape).astype(dtype)
+  """Normal inputs made with numpy (no XLA compilation needed)."""
+  x = np.random.default_rng(100 + seed).standard_normal(shape, np.float32)
+  return jnp.asarray(x.astype(dtype))
 
 
 def ints(seed, shape, high, dtype=jnp.int32):
-  return jax.random.randint(jax.random.key(200 + seed), shape, -high,
-                            high).astype(dtype)
+  x = np.random.default_rng(200 + seed).integers(-high, high, shape)
+  return jnp.asarray(x.astype(dtype))
 
 
 def assert_bits_equal(actual, expected):
@@ -86,26 +88,40 @@ def loss_of(model, *inputs):
   return loss
 
 
-def compiled_run(model, inputs, grad):
-  """One jitted ``key -> (variables, output, grads)`` per model, so that
-  several seeds cost a single compilation."""
+def runner(model, inputs, grad):
+  """``key -> (variables, output, grads)`` for one model."""
 
   def run(key):
     out, variables = model.init_with_output(key, *inputs)
     grads = jax.grad(loss_of(model, *inputs))(variables) if grad else None
     return variables, out, grads
 
-  return jax.jit(run)
+  return run
+
+
+# Both sides are compiled together with the same options, so a cheap XLA
+# optimization level changes nothing in the comparison but saves most of the
+# compile time.
+_FAST = {'xla_backend_optimization_level': 0,
+         'xla_llvm_disable_expensive_passes': True}
+
+
+def fast_jit(fn):
+  try:
+    return jax.jit(fn, compiler_options=_FAST)
+  except TypeError:  # an older jax without compiler_options
+    return jax.jit(fn)
 
 
 def check(make_layer, *inputs, call=None, seeds=SEEDS, grad=True):
-  """The whole differential comparison for one configuration."""
-  ours = compiled_run(make_model(LIFT, make_layer, call), inputs, grad)
-  theirs = compiled_run(make_model(FLAX, make_layer, call), inputs, grad)
+  """The whole differential comparison for one configuration. Both models
+  run inside one jitted function, compiled once for all seeds."""
+  run_l = runner(make_model(LIFT, make_layer, call), inputs, grad)
+  run_f = runner(make_model(FLAX, make_layer, call), inputs, grad)
+  both = fast_jit(lambda key: (run_l(key), run_f(key)))
   for seed in seeds:
-    key = jax.random.key(seed)
-    vars_l, out_l, grads_l = ours(key)
-    vars_f, out_f, grads_f = theirs(key)
+    (vars_l, out_l, grads_l), (vars_f, out_f, grads_f) = both(
+        jax.random.key(seed))
     assert_trees_equal(vars_l, vars_f)
     assert_bits_equal(out_l, out_f)
     if grad:

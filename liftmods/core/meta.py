@@ -52,8 +52,8 @@ def map_axis_meta(fn, tree):
 
 
 def unbox(tree):
-  """Replaces every box in ``tree`` with its value."""
-  return map_axis_meta(lambda box: box.unbox(), tree)
+  """Replaces every box in ``tree`` with its value (boxes in boxes too)."""
+  return map_axis_meta(lambda box: unbox(box.unbox()), tree)
 
 
 def add_axis(tree, index: int, params: dict):
@@ -66,9 +66,14 @@ def remove_axis(tree, index: int, params: dict):
 
 def replace_boxed(tree, updates):
   """Puts the leaves of ``updates`` into the boxes of ``tree`` (where boxed)."""
-  return jax.tree_util.tree_map(
-      lambda old, new: old.replace_boxed(new) if is_axis_metadata(old) else new,
-      tree, updates, is_leaf=is_axis_metadata)
+  def put(old, new):
+    if not is_axis_metadata(old):
+      return new
+    inner = old.unbox(apply_constraint=False) if isinstance(
+        old, Partitioned) else old.unbox()
+    return old.replace_boxed(replace_boxed(inner, new))
+
+  return jax.tree_util.tree_map(put, tree, updates, is_leaf=is_axis_metadata)
 
 
 def _global_mesh():

@@ -14,6 +14,7 @@ default derivation bit for bit, so the same seed gives the same parameters.
 >>> seq.materialize().shape
 ()
 """
+import functools
 import hashlib
 
 import jax
@@ -73,10 +74,16 @@ def as_lazy(name: str, rng) -> LazyKey:
 
 
 def _is_key(x) -> bool:
+  """One key: a typed key of shape (), or raw key data of the default
+  implementation's shape (uint32[2] for threefry)."""
   dtype = getattr(x, 'dtype', None)
   if dtype is None:
     return False
   if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-    return True
-  # Raw uint32 keys: (2,) for threefry; allow any trailing key shape.
-  return dtype == np.uint32 and getattr(x, 'ndim', 0) >= 1
+    return x.shape == ()
+  return dtype == np.uint32 and x.shape == _raw_key_shape()
+
+
+@functools.lru_cache(maxsize=None)
+def _raw_key_shape() -> tuple:
+  return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape

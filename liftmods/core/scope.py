@@ -65,7 +65,7 @@ class Variable:
   def value(self, new):
     if self.unbox:
       old = self.scope.get_variable(self.collection, self.name)
-      if _has_boxes(old):
+      if _has_boxes(old) and _same_structure(meta.unbox(old), new):
         new = meta.replace_boxed(old, new)
     self.scope.put_variable(self.collection, self.name, new)
 
@@ -81,6 +81,10 @@ def _has_boxes(tree) -> bool:
     return True
   return any(isinstance(x, meta.AxisMetadata) for x in
              jax.tree_util.tree_leaves(tree, is_leaf=meta.is_axis_metadata))
+
+
+def _same_structure(a, b) -> bool:
+  return (jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b))
 
 
 class Scope:
@@ -105,7 +109,8 @@ class Scope:
     self.reservations = {}
     self.flags = flags if flags is not None else {}
     self._invalid = False
-    self._mutability = parent._mutability if parent is not None else {}
+    shared = parent is not None and parent.mutable is mutable
+    self._mutability = parent._mutability if shared else {}
 
   # -- identity and validity ------------------------------------------------
 
@@ -324,25 +329,51 @@ _SHAPE_CACHE: dict = {}
 _SHAPE_CACHE_LIMIT = 4096
 
 
+_VALUE_TYPES = (int, float, complex, bool, str, bytes, type(None), type,
+                np.dtype)
+
+
+class _Uncacheable(Exception):
+  pass
+
+
+def _value_key(x):
+  """``x`` if it is an immutable value (or a tuple of them, or a function
+  keyed by ``_fn_key``); raises _Uncacheable for anything that could change
+  behind the cache's back."""
+  if isinstance(x, _VALUE_TYPES):
+    return x
+  if isinstance(x, (tuple, frozenset)):
+    return type(x)(_value_key(v) for v in x)
+  if callable(x):
+    return _fn_key(x)
+  raise _Uncacheable
+
+
 def _fn_key(fn):
   """A hashable identity for an initializer that survives re-creation: two
-  closures of the same code over equal values compute the same shapes."""
+  closures of the same code over equal immutable values compute the same
+  shapes. Bound methods and closures over mutable objects are not cached."""
   if isinstance(fn, functools.partial):
-    return (_fn_key(fn.func), fn.args, tuple(sorted(fn.keywords.items())))
+    return (_fn_key(fn.func), _value_key(fn.args),
+            tuple(sorted((k, _value_key(v)) for k, v in fn.keywords.items())))
   code = getattr(fn, '__code__', None)
-  if code is None:
-    return fn
-  cells = tuple(c.cell_contents for c in (fn.__closure__ or ()))
-  return (code, cells, fn.__defaults__)
+  if code is None or hasattr(fn, '__self__'):
+    if isinstance(fn, type) or getattr(fn, '__module__', None) == 'numpy':
+      return fn
+    raise _Uncacheable
+  cells = tuple(_value_key(c.cell_contents) for c in (fn.__closure__ or ()))
+  return (code, cells, _value_key(fn.__defaults__ or ()))
 
 
 def _expected_shapes(init_fn, init_args, init_kwargs):
   try:
-    key = (_fn_key(init_fn), init_args, tuple(sorted(init_kwargs.items())))
+    key = (_fn_key(init_fn), _value_key(init_args),
+           tuple(sorted((k, _value_key(v)) for k, v in init_kwargs.items())))
     hit = _SHAPE_CACHE.get(key)
     if hit is not None:
       return hit
-  except (TypeError, ValueError):  # unhashable parts: no caching
+  except (_Uncacheable, TypeError, ValueError):  # no safe key: no caching
     key = None
   abstract = jax.eval_shape(
       lambda: init_fn(jax.random.key(0), *init_args, **init_kwargs))

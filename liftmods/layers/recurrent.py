@@ -454,8 +454,9 @@ class ConvLSTMCell(RNNCellBase):
   >>> carry = cell.initialize_carry(jax.random.key(0), x.shape)
   >>> [a.shape for a in carry], cell.num_feature_axes
   ([(1, 5, 2), (1, 5, 2)], 2)
-  >>> cell.apply(cell.init(jax.random.key(1), carry, x), carry, x)[1].shape
-  (1, 5, 2)
+  >>> params = cell.init(jax.random.key(1), carry, x)['params']
+  >>> params['ih']['kernel'].shape, params['hh']['kernel'].shape
+  ((3, 4, 8), (3, 2, 8))
   """
 
   features: int
