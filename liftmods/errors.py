@@ -95,12 +95,12 @@ class InvalidRngError(LiftmodsError):
         f'given. Pass rngs={{"{rng_name}": key}} to init() or apply().')
 
 
-class InvalidRngTypeError(LiftmodsError):
+class InvalidRngTypeError(InvalidRngError):
   """An rng passed in is not a PRNG key."""
 
   def __init__(self, rng_name, value):
-    super().__init__(
-        f'The rng for sequence "{rng_name}" must be a PRNG key (jax.random.key '
+    LiftmodsError.__init__(
+        self, f'The rng for sequence "{rng_name}" must be a PRNG key (jax.random.key '
         f'or jax.random.PRNGKey), got {type(value).__name__} '
         f'{getattr(value, "shape", "")}.')
 
@@ -220,11 +220,12 @@ class CallSetupUnboundModuleError(LiftmodsError):
 class CallUnbindOnUnboundModuleError(LiftmodsError):
   """unbind() is called on a module that is not bound."""
 
-  def __init__(self):
-    super().__init__('unbind() needs a module returned by bind().')
+  def __init__(self, cls=''):
+    super().__init__(f'unbind() was called on an unbound {cls}; it needs a '
+                     'module returned by bind().')
 
 
-class UnboundModuleError(LiftmodsError):
+class UnboundModuleError(LiftmodsError, ValueError):
   """A variable or rng method is used on an unbound module."""
 
   def __init__(self, cls, what):

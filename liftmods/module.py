@@ -230,7 +230,7 @@ class Module:
         cls.__annotations__ = {}
       cls.__annotations__['parent'] = Any
       cls.parent = dataclasses.field(default=_unspecified_parent, repr=False,
-                                     compare=False, kw_only=True)
+                                     hash=False, kw_only=True)
       cls.__annotations__['name'] = str | None
       cls.name = dataclasses.field(default=None, kw_only=True)
     for f in annotations:
@@ -239,6 +239,9 @@ class Module:
         field.compare = field.hash = field.repr = False
     dataclasses.dataclass(cls, eq=True, repr=False, kw_only=kw_only,
                           unsafe_hash='__hash__' not in cls.__dict__)
+    fields = cls.__dataclass_fields__
+    for reserved in ('parent', 'name'):  # keep them last, as Linen does
+      fields[reserved] = fields.pop(reserved)
     cls.__hash__ = _checked_hash(cls.__hash__)
 
   @classmethod
@@ -285,7 +288,9 @@ class Module:
     if pstate.in_setup and self.name is None:
       return False
     if not parent._initialization_allowed:
-      raise errors.AssignSubModuleError(type(self).__name__)
+      raise errors.AssignSubModuleError(
+          f'{type(self).__name__} (created in {type(parent).__name__} at '
+          f'{parent.scope.path_text if parent.scope else "<unbound>"})')
     if parent.scope is None:
       raise errors.CallCompactUnboundModuleError(type(parent).__name__)
     name = self.name
@@ -305,11 +310,13 @@ class Module:
     return True
 
   def _bind_fields(self):
-    """Adopts modules held in dataclass fields (once per bound instance)."""
+    """Adopts modules held in dataclass fields and freezes container fields
+    (lists become tuples, dicts FrozenDicts), once per bound instance."""
     d = self.__dict__
     for n in self._init_field_names:
-      if n != 'parent' and _has_module(d[n]):
-        self._register_submodules(n, d[n])
+      v = d[n]
+      if n != 'parent' and isinstance(v, _CONTAINERS):
+        self._register_submodules(n, v)
     self._state.fields_bound = True
 
   def _register_submodules(self, name: str, val):
@@ -331,8 +338,8 @@ class Module:
       return sub
 
     if _has_module(val):
-      val = _freeze_attr(_map_modules(adopt, val))
-    object.__setattr__(self, name, val)
+      val = _map_modules(adopt, val)
+    object.__setattr__(self, name, _freeze_attr(val))
     for sub in queue:
       sub.__post_init__()
 
@@ -421,8 +428,7 @@ class Module:
       else:
         y = fun(self, *args, **kwargs)
       capture = _context.capture_stack
-      if capture and capture[-1] and not is_setup and capture[-1](self,
-                                                                  fun_name):
+      if capture and capture[-1] and capture[-1](self, fun_name):
         self.sow('intermediates', fun_name, y)
       return y
     finally:
@@ -587,7 +593,7 @@ class Module:
             capture_intermediates=False, **kwargs):
     """Runs ``method`` (default ``__call__``) with ``variables``; returns the
     output, or ``(output, mutated_collections)`` when ``mutable``."""
-    self._module_checks()
+    Module._module_checks(self)
     fn = self._resolve_method(method)
     return apply(fn, self, mutable=mutable,
                  capture_intermediates=capture_intermediates)(
@@ -597,7 +603,7 @@ class Module:
                        mutable=DenyList('intermediates'),
                        capture_intermediates=False, **kwargs):
     """Initializes variables; returns ``(output, variables)``."""
-    self._module_checks()
+    Module._module_checks(self)
     fn = self._resolve_method(method)
     return init_with_output(fn, self, mutable=mutable,
                             capture_intermediates=capture_intermediates)(
@@ -606,13 +612,14 @@ class Module:
   def init(self, rngs, *args, method=None, mutable=DenyList('intermediates'),
            capture_intermediates=False, **kwargs):
     """Initializes and returns the variables ``{collection: {...}}``."""
+    Module._module_checks(self)
     return self.init_with_output(
         rngs, *args, method=method, mutable=mutable,
         capture_intermediates=capture_intermediates, **kwargs)[1]
 
   def bind(self, variables, *args, rngs=None, mutable=False):
     """A bound copy of this module for interactive use."""
-    self._module_checks()
+    Module._module_checks(self)
     del args
     return self.clone(parent=core.bind(variables, rngs=rngs, mutable=mutable),
                       _deep_clone=True)
@@ -620,7 +627,7 @@ class Module:
   def unbind(self):
     """Returns ``(unbound_copy, variables)`` of a bound module."""
     if self.scope is None:
-      raise errors.CallUnbindOnUnboundModuleError()
+      raise errors.CallUnbindOnUnboundModuleError(type(self).__name__)
     module = self.clone(_deep_clone=True, _reset_names=True, name=None)
     return module, self.variables
 
@@ -631,6 +638,9 @@ class Module:
     table_kwargs = {k: kwargs.pop(k) for k in list(kwargs)
                     if k in _tabulate_option_names()}
     return _tabulate(self, rngs, **table_kwargs)(*args, **kwargs)
+
+
+_CONTAINERS = (Module, list, tuple, dict, FrozenDict)
 
 
 def _tabulate_option_names():

@@ -97,37 +97,37 @@ def test_zeros_init_ones_init():
 
 
 # (factory name, factory kwargs, shape)
-# jax compiles its samplers per shape and dtype, so nearly every case shares
-# one HWIO kernel shape (fans: receptive field 9, in 4, out 6) to keep the
-# file fast; DENSE covers the 2-d path.
-DENSE, CONV = (4, 6), (3, 3, 4, 6)
+# jax compiles its samplers per shape, rank and dtype (higher rank compiles
+# slower), so the cases share two shapes to keep the file fast: DENSE is
+# (in, out) and CONV a 1-d conv kernel (width 3, in 2, out 4).
+DENSE, CONV = (4, 6), (3, 2, 4)
 # (factory name, factory kwargs or None for a plain initializer, shape)
 INIT_CASES = [
-    ('zeros', None, CONV),
+    ('zeros', None, DENSE),
     ('ones', None, CONV),
-    ('constant', dict(value=0.25), CONV),
-    ('normal', dict(stddev=0.3), CONV),
-    ('uniform', dict(scale=2.0), CONV),
-    ('truncated_normal', dict(stddev=0.5, lower=-1.5, upper=1.0), CONV),
+    ('constant', dict(value=0.25), DENSE),
+    ('normal', dict(stddev=0.3), DENSE),
+    ('uniform', dict(scale=2.0), DENSE),
+    ('truncated_normal', dict(stddev=0.5, lower=-1.5, upper=1.0), DENSE),
     ('variance_scaling', dict(scale=2.0, mode='fan_avg',
                               distribution='uniform'), CONV),
     ('variance_scaling', dict(scale=1.0, mode='fan_out',
                               distribution='truncated_normal', in_axis=0,
-                              out_axis=1), CONV),
+                              out_axis=1), DENSE),
     ('variance_scaling', dict(scale=0.5, mode='fan_geo_avg',
                               distribution='normal', batch_axis=(0,)),
      CONV),
     ('lecun_normal', {}, DENSE),
     ('lecun_uniform', {}, CONV),
-    ('glorot_normal', {}, CONV),
-    ('glorot_uniform', {}, CONV),
-    ('xavier_normal', {}, CONV),
-    ('xavier_uniform', {}, CONV),
-    ('he_normal', {}, CONV),
+    ('glorot_normal', {}, DENSE),
+    ('glorot_uniform', {}, DENSE),
+    ('xavier_normal', {}, DENSE),
+    ('xavier_uniform', {}, DENSE),
+    ('he_normal', {}, DENSE),
     ('he_uniform', {}, CONV),
-    ('kaiming_normal', {}, CONV),
-    ('kaiming_uniform', {}, CONV),
-    ('orthogonal', dict(scale=1.5), CONV),
+    ('kaiming_normal', {}, DENSE),
+    ('kaiming_uniform', {}, DENSE),
+    ('orthogonal', dict(scale=1.5), DENSE),
     ('orthogonal', dict(column_axis=0), DENSE),
     ('delta_orthogonal', dict(scale=0.9), CONV),
 ]
@@ -227,11 +227,6 @@ def _activation_input(dtype):
   return x.at[0, 0, 0].set(0.0)  # exercise the kink of piecewise functions
 
 
-def _run_activations(lib, x):
-  return {n: ACTIVATION_CALLS.get(n, lambda f, v: f(v))(getattr(lib, n), x)
-          for n in ACTIVATION_NAMES}
-
-
 @pytest.mark.parametrize('name', ACTIVATION_NAMES)
 def test_activation_outputs_identical_eager(name):
   call = ACTIVATION_CALLS.get(name, lambda f, x: f(x))
@@ -241,12 +236,14 @@ def test_activation_outputs_identical_eager(name):
   jax.tree_util.tree_map(assert_bits_equal, ours, theirs)
 
 
-def test_activation_outputs_identical_jit_bfloat16():
+@pytest.mark.parametrize('name', ['gelu', 'silu', 'softplus', 'log_softmax',
+                                  'softmax', 'standardize', 'logsumexp'])
+def test_activation_outputs_identical_bfloat16_jit(name):
+  call = ACTIVATION_CALLS.get(name, lambda f, x: f(x))
   x = _activation_input(jnp.bfloat16)
-  ours = jax.jit(functools.partial(_run_activations, activation))(x)
-  theirs = jax.jit(functools.partial(_run_activations, flax_nn))(x)
-  for name in ACTIVATION_NAMES:
-    jax.tree_util.tree_map(assert_bits_equal, ours[name], theirs[name])
+  ours = jax.jit(functools.partial(call, getattr(activation, name)))(x)
+  theirs = jax.jit(functools.partial(call, getattr(flax_nn, name)))(x)
+  jax.tree_util.tree_map(assert_bits_equal, ours, theirs)
 
 
 # --------------------------------------------------------------------------
@@ -359,8 +356,8 @@ def test_avg_pool(shape, window, strides, padding, count_include_pad):
   assert_bits_equal(ours, theirs)
 
 
-@pytest.mark.parametrize('dtype', [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize('case', [2, 4])
+@pytest.mark.parametrize('case,dtype', [(2, jnp.bfloat16), (4, jnp.float16)],
+                         ids=str)
 def test_pool_half_precision(case, dtype):
   shape, window, strides, padding = POOL_CASES[case]
   x = rand(case, shape, dtype)
@@ -431,7 +428,7 @@ def test_avg_pool_property(length, window, stride, pads, batched, include):
 # attention
 # --------------------------------------------------------------------------
 
-def qkv(batch, q_len=5, kv_len=6, heads=2, depth=4, v_depth=3,
+def qkv(batch, q_len=5, kv_len=6, heads=2, depth=5, v_depth=3,
         dtype=jnp.float32):
   q = rand(10, batch + (q_len, heads, depth), dtype)
   k = rand(11, batch + (kv_len, heads, depth), dtype)
@@ -474,6 +471,19 @@ def test_attention_bias_and_mask(batch):
   assert float(jnp.max(jnp.where(mask, 0.0, w))) < 1e-30
 
 
+@pytest.mark.parametrize('dtype', [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_attention_fully_masked_row(dtype):
+  # Masked logits become finfo(dtype).min: a fully masked query row is then
+  # uniform (and finite even in float16).
+  q, k, v = qkv((2,), dtype=dtype)
+  mask = jnp.ones((2, 1, 5, 6), bool).at[:, :, 1, :].set(False)
+  both_attention(q, k, v, mask=mask)
+  w = both_attention(q, k, mask=mask, fn='dot_product_attention_weights')
+  row = np.asarray(w[:, :, 1].astype(jnp.float32))
+  assert np.isfinite(row).all()
+  np.testing.assert_allclose(row, 1 / 6, rtol=1e-2)
+
+
 def test_attention_with_linen_masks():
   q, k, v = qkv((2,), q_len=6)
   tokens = jnp.array([[1, 2, 3, 0, 0, 0], [4, 5, 6, 7, 8, 0]])
@@ -485,10 +495,10 @@ def test_attention_with_linen_masks():
 
 
 @pytest.mark.parametrize('batch,dtype,broadcast_dropout', [
+    ((2,), jnp.float32, True),
+    ((2,), jnp.float32, False),
+    ((2,), jnp.bfloat16, True),
     ((2, 2), jnp.float32, True),
-    ((2, 2), jnp.float32, False),
-    ((2, 2), jnp.bfloat16, True),
-    ((), jnp.float32, False),
 ], ids=str)
 def test_attention_dropout_bit_identical(batch, dtype, broadcast_dropout):
   q, k, v = qkv(batch, dtype=dtype)
@@ -520,6 +530,12 @@ def test_attention_dtype_and_promotion():
   both_attention(q.astype(jnp.bfloat16), k, v.astype(jnp.float16))
   both_attention(q, k.astype(jnp.bfloat16), dtype=jnp.float16,
                  fn='dot_product_attention_weights')
+  # a float32 bias promotes the logits; the weights come back in bfloat16
+  q16, k16, v16 = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  bias = rand(13, (2, 1, 5, 6))
+  w = both_attention(q16, k16, bias=bias, fn='dot_product_attention_weights')
+  assert w.dtype == jnp.bfloat16
+  assert both_attention(q16, k16, v16, bias=bias).dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize('dtype', [jnp.bfloat16, jnp.float32])

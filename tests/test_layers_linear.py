@@ -129,7 +129,7 @@ def check(make_layer, *inputs, call=None, seeds=SEEDS, grad=True):
   return vars_l, out_l
 
 
-# -- Dense ------------------------------------------------------------------------
+# -- Dense ---------------------------------------------------------------------
 
 DENSE_CASES = {
     'default': (dict(features=3), (2, 4), jnp.float32),
@@ -162,7 +162,7 @@ def test_dense_custom_inits_and_cls():
   check(make, rand(1, (2, 5)))
 
 
-# -- DenseGeneral -----------------------------------------------------------------
+# -- DenseGeneral --------------------------------------------------------------
 
 DG_CASES = {
     'int': (dict(features=3), (2, 4)),
@@ -207,7 +207,7 @@ def test_dense_general_boxed_kernel_init():
     assert_bits_equal(box_l.value, box_f.value)
 
 
-# -- Einsum ------------------------------------------------------------------------
+# -- Einsum --------------------------------------------------------------------
 
 EINSUM_CASES = {
     'basic': (dict(shape=(5, 6, 7), einsum_str='abc,cde->abde'), (3, 4, 5)),
@@ -242,7 +242,7 @@ def test_einsum_str_at_call_time():
         call=lambda layer, x: layer(x, 'ab,bc->ac'))
 
 
-# -- Conv -----------------------------------------------------------------------------
+# -- Conv ----------------------------------------------------------------------
 
 CONV_CASES = {
     'same_1d': (dict(features=3, kernel_size=(3,)), (2, 7, 2)),
@@ -335,7 +335,7 @@ def test_conv_local_mask():
         rand(9, (1, 6, 2)))
 
 
-# -- ConvTranspose ----------------------------------------------------------------------
+# -- ConvTranspose -------------------------------------------------------------
 
 CONVT_CASES = {
     'same': (dict(features=3, kernel_size=(3,)), (2, 5, 2)),
@@ -377,7 +377,7 @@ def test_conv_transpose_mask():
   check(lambda nn: nn.ConvTranspose(3, (3,), mask=mask), rand(11, (2, 4, 2)))
 
 
-# -- Embed ---------------------------------------------------------------------------------
+# -- Embed ---------------------------------------------------------------------
 
 EMBED_CASES = {
     'default': (dict(num_embeddings=7, features=3), jnp.int32),
@@ -429,15 +429,35 @@ def test_setup_submodule_and_jit():
     return Net()
 
   idx = ints(2, (2, 5), 5)
-  vars_l = build(LIFT).init(jax.random.key(3), idx)
-  vars_f = build(FLAX).init(jax.random.key(3), idx)
+  vars_l = fast_jit(build(LIFT).init)(jax.random.key(3), idx)
+  vars_f = fast_jit(build(FLAX).init)(jax.random.key(3), idx)
   assert_trees_equal(vars_l, vars_f)
-  out_l = jax.jit(build(LIFT).apply)(vars_f, idx)
-  out_f = jax.jit(build(FLAX).apply)(vars_f, idx)
+  out_l = fast_jit(build(LIFT).apply)(vars_f, idx)
+  out_f = fast_jit(build(FLAX).apply)(vars_f, idx)
   assert_trees_equal(out_l, out_f)
 
 
-# -- signatures and helpers --------------------------------------------------------------
+@pytest.mark.parametrize('layer', ['Einsum', 'Conv', 'DenseGeneral'])
+def test_capture_all_methods(layer):
+  """Capturing every method call sees the same (wrapped) methods; run
+  eagerly, unlike check()."""
+  make = {
+      'Einsum': lambda nn: nn.Einsum((4, 3), '...b,bc->...c'),
+      'Conv': lambda nn: nn.ConvLocal(2, (3,)),
+      'DenseGeneral': lambda nn: nn.DenseGeneral((2, 3), batch_dims=(0,)),
+  }[layer]
+  x = rand(14, (2, 3, 4))
+  captured = []
+  for nn in (LIFT, FLAX):
+    model = make_model(nn, make)
+    variables = model.init(jax.random.key(0), x)
+    _, state = model.apply(variables, x, mutable=['intermediates'],
+                           capture_intermediates=lambda m, name: True)
+    captured.append((variables, state))  # eager init: also bit-identical
+  assert_trees_equal(*captured)
+
+
+# -- signatures and helpers ----------------------------------------------------
 
 
 def _same_default(ours, theirs, name):
@@ -463,11 +483,11 @@ def test_signatures_match(name):
     ts = inspect.signature(getattr(theirs, attr)).parameters.values()
     assert [p.name for p in ps] == [t.name for t in ts], attr
     for p, t in zip(ps, ts):
-      # Linen's parent/name are positional-or-keyword; liftmods makes them
-      # keyword-only (module.py), which no Linen code can tell apart in
-      # practice.
-      if p.name not in ('parent', 'name'):
-        assert p.kind == t.kind, (attr, p.name)
+      # Linen's parent/name are positional-or-keyword with Linen's own
+      # sentinel; liftmods (module.py) makes them keyword-only.
+      if p.name in ('parent', 'name'):
+        continue
+      assert p.kind == t.kind, (attr, p.name)
       assert _same_default(p.default, t.default, p.name), (attr, p.name)
   assert ([f.name for f in dataclasses.fields(ours)] ==
           [f.name for f in dataclasses.fields(theirs)])
@@ -488,8 +508,8 @@ def test_canonicalize_padding(padding):
 
 def test_module_defaults_are_linen_defaults():
   key = jax.random.key(4)
-  for ours, theirs in [(linear.default_kernel_init, fnn.linear.default_kernel_init),
-                       (linear.default_embed_init, fnn.linear.default_embed_init)]:
+  for name in ('default_kernel_init', 'default_embed_init'):
+    ours, theirs = getattr(linear, name), getattr(fnn.linear, name)
     assert_bits_equal(ours(key, (5, 3)), theirs(key, (5, 3)))
 
 
@@ -499,7 +519,7 @@ def test_doctests():
   assert result.attempted > 8 and result.failed == 0
 
 
-# -- errors -------------------------------------------------------------------------------
+# -- errors --------------------------------------------------------------------
 
 # (make_layer, inputs, exception liftmods raises, exception flax raises,
 #  text expected in liftmods's message)

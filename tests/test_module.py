@@ -11,9 +11,8 @@ import dataclasses
 import functools
 from collections.abc import Mapping
 from types import SimpleNamespace
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
-import flax
 import flax.core
 import flax.linen as fnn
 import jax
@@ -99,10 +98,6 @@ def differential(build, run):
     results.append(run(nn, *built))
   assert_identical(results[1], results[0], 'liftmods vs flax')
   return results[0]
-
-
-def paramcount(tree):
-  return sum(np.size(x) for x in jax.tree_util.tree_leaves(tree))
 
 
 # -- the tiny layers both backends build from the same source ----------------------
@@ -957,6 +952,7 @@ def test_bind_interactive_and_unbind_extracts_setup_submodule():
     mb(X)
     out.append(mb.variables['batch_stats'])
     assert m.scope is None  # binding does not touch the original
+    assert int(v['batch_stats']['bn']['count']) == 0  # nor the user's dict
     return out
 
   res = differential(_encdec, run)
@@ -1312,10 +1308,6 @@ def test_make_rng_default_variable_object_and_bound_method_init():
 # -- known divergences from flax.linen (strict xfails: they fail today) ---------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    'liftmods bug: dataclasses.fields() of a Module subclass that adds fields '
-    'lists parent/name in the middle ([features, parent, name, extra]); flax '
-    'always keeps parent/name last ([features, extra, parent, name]).'))
 def test_subclass_field_order_matches_flax():
 
   def run(nn, Base, Sub, *_):
@@ -1325,11 +1317,6 @@ def test_subclass_field_order_matches_flax():
   assert res == ['features', 'extra', 'parent', 'name']
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    'liftmods bug: flax freezes list/dict values of dataclass fields and of '
-    'setup() attributes (list -> tuple, dict -> FrozenDict) when a bound '
-    'module sets up; liftmods only freezes values that contain Modules, so '
-    'e.g. `self.features + (1,)` works in flax and raises TypeError here.'))
 def test_list_and_dict_attributes_are_frozen_like_flax():
 
   def build(nn):
@@ -1352,11 +1339,6 @@ def test_list_and_dict_attributes_are_frozen_like_flax():
   assert res == ('tuple', 'FrozenDict', 'tuple', 'FrozenDict', 3)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    'liftmods divergence: a capture_intermediates filter is never consulted '
-    'for setup(); flax calls it for user-defined setup methods too, so '
-    "capture_intermediates=lambda m, n: True stores 'setup': (None,) entries "
-    'in flax but not in liftmods (different intermediates tree).'))
 def test_capture_intermediates_filter_is_called_for_setup():
 
   def build(nn):
@@ -1378,11 +1360,6 @@ def test_capture_intermediates_filter_is_called_for_setup():
   differential(build, run)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    'liftmods divergence: `parent` is declared compare=False, so a bound '
-    'module equals an unbound one with the same fields; in flax `parent` '
-    'takes part in __eq__ (bound != unbound, same-named children of different '
-    'parents differ).'))
 def test_module_equality_includes_parent():
 
   def run(nn, L):

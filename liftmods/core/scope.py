@@ -20,6 +20,7 @@ may be written, so the caller's dict is never mutated).
 (2, 4)
 """
 import functools
+import weakref
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -190,11 +191,19 @@ class Scope:
     method runs again); rng counters are kept unless ``rewind_rngs``."""
     self._check_valid()
     scope = Scope.__new__(Scope)
-    for slot in Scope.__slots__[:-1]:
-      setattr(scope, slot, getattr(self, slot))
+    scope._variables = self._variables
+    scope.parent = self.parent
+    scope.root = self.root if self.parent is not None else scope
+    scope.name = self.name
+    scope.path = self.path
+    scope.rngs = self.rngs
+    scope.rng_counters = ({k: 0 for k in self.rngs} if rewind_rngs
+                          else self.rng_counters)
+    scope.mutable = self.mutable
     scope.reservations = {}
-    if rewind_rngs:
-      scope.rng_counters = {k: 0 for k in self.rngs}
+    scope.flags = self.flags
+    scope._invalid = False
+    scope._mutability = self._mutability
     return scope
 
   # -- collections -----------------------------------------------------------
@@ -337,10 +346,21 @@ class _Uncacheable(Exception):
   pass
 
 
+_PLAIN = frozenset((int, float, complex, bool, str, bytes, type(None)))
+
+
 def _value_key(x):
   """``x`` if it is an immutable value (or a tuple of them, or a function
   keyed by ``_fn_key``); raises _Uncacheable for anything that could change
   behind the cache's back."""
+  t = type(x)
+  if t in _PLAIN:
+    return x
+  if t is tuple:
+    for v in x:
+      if type(v) not in _PLAIN:
+        return tuple(_value_key(v) for v in x)
+    return x
   if isinstance(x, _VALUE_TYPES):
     return x
   if isinstance(x, (tuple, frozenset)):
@@ -366,9 +386,24 @@ def _fn_key(fn):
   return (code, cells, _value_key(fn.__defaults__ or ()))
 
 
+_FN_KEYS: 'weakref.WeakKeyDictionary' = weakref.WeakKeyDictionary()
+
+
+def _cached_fn_key(fn):
+  try:
+    return _FN_KEYS[fn]
+  except (KeyError, TypeError):
+    key = _fn_key(fn)
+  try:
+    _FN_KEYS[fn] = key
+  except TypeError:  # not weakly referenceable
+    pass
+  return key
+
+
 def _expected_shapes(init_fn, init_args, init_kwargs):
   try:
-    key = (_fn_key(init_fn), _value_key(init_args),
+    key = (_cached_fn_key(init_fn), _value_key(init_args),
            tuple(sorted((k, _value_key(v)) for k, v in init_kwargs.items())))
     hit = _SHAPE_CACHE.get(key)
     if hit is not None:

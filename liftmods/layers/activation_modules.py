@@ -13,6 +13,8 @@ import jax.numpy as jnp
 
 from liftmods.module import Module, compact
 
+__all__ = ['PReLU']
+
 Array = Any
 Dtype = Any
 

@@ -23,7 +23,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -32,6 +31,9 @@ from liftmods.attention_fns import combine_masks, dot_product_attention
 from liftmods.layers.linear import DenseGeneral, default_kernel_init
 from liftmods.layers.normalization import LayerNorm
 from liftmods.module import Module, compact, merge_param, nowrap
+
+__all__ = ['MultiHeadDotProductAttention', 'MultiHeadAttention',
+           'SelfAttention']
 
 Array = Any
 Dtype = Any

@@ -51,12 +51,16 @@ class PromoteDtypeFn(Protocol):
     ...
 
 
+# numpy >= 1.25 keeps it in np.exceptions; it is both a ValueError and an
+# IndexError (what Linen's out-of-range axis raises).
+_AxisError = getattr(np, 'exceptions', np).AxisError
+
 default_kernel_init = initializers.lecun_normal()
 default_embed_init = initializers.variance_scaling(1.0, 'fan_in', 'normal',
                                                    out_axis=0)
 
 
-# -- small helpers ---------------------------------------------------------------
+# -- small helpers -------------------------------------------------------------
 
 
 def _where(module: Module) -> str:
@@ -92,7 +96,7 @@ def _add_bias(y, bias, shape):
   return y
 
 
-# -- dense layers ------------------------------------------------------------------
+# -- dense layers --------------------------------------------------------------
 
 
 class DenseGeneral(Module):
@@ -130,14 +134,15 @@ class DenseGeneral(Module):
   def _checked_axes(self, ndim: int):
     """(contracted axes, batch axes), sorted and non-negative."""
     batch_dims = _as_tuple(self.batch_dims)
-    if batch_dims and set(batch_dims) != set(range(int(np.max(batch_dims)) + 1)):
+    leading = set(range(int(np.max(batch_dims)) + 1)) if batch_dims else set()
+    if set(batch_dims) != leading:
       raise ValueError(
           f'{_where(self)}: batch_dims {batch_dims} must be the leading '
           'input axes 0, 1, ..., n-1 (consecutive, starting from 0).')
     axis = _as_tuple(self.axis)
     for ax in axis + batch_dims:
       if not -ndim <= ax < ndim:
-        raise np.exceptions.AxisError(
+        raise _AxisError(
             ax, ndim, msg_prefix=f'{_where(self)}: axis/batch_dims')
     axis = tuple(sorted(ax % ndim for ax in axis))
     batch_dims = tuple(sorted(ax % ndim for ax in batch_dims))
@@ -231,7 +236,7 @@ class Dense(Module):
     return y
 
 
-# -- einsum --------------------------------------------------------------------------
+# -- einsum --------------------------------------------------------------------
 
 
 def _einsum_terms(where: str, sub: str, ndim: int) -> list:
@@ -336,7 +341,7 @@ class Einsum(Module):
                                jnp.ndim(rhs), self.shape)
 
 
-# -- convolutions ---------------------------------------------------------------------
+# -- convolutions --------------------------------------------------------------
 
 
 def canonicalize_padding(padding: PaddingLike, rank: int):
@@ -689,7 +694,7 @@ class ConvTranspose(Module):
     return _unflatten_batch(y, batch_shape)
 
 
-# -- embeddings --------------------------------------------------------------------------
+# -- embeddings ----------------------------------------------------------------
 
 
 class Embed(Module):

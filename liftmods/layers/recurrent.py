@@ -31,6 +31,9 @@ from liftmods.dtypes import promote_dtype
 from liftmods.layers.linear import Conv, Dense, default_kernel_init
 from liftmods.module import Module, compact, nowrap
 
+__all__ = ['RNNCellBase', 'LSTMCell', 'OptimizedLSTMCell', 'SimpleCell',
+           'GRUCell', 'MGUCell', 'ConvLSTMCell']
+
 Array = Any
 Carry = Any
 Dtype = Any

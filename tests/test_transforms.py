@@ -1,0 +1,1368 @@
+"""Differential tests of the module-level lifted transforms against Flax Linen.
+
+Every model is written ONCE as ``build(nn)`` and run with ``nn = flax.linen``
+(the oracle) and ``nn = liftmods``. For each model we assert
+
+* identical variable trees (tree structure, shapes, dtypes),
+* BIT-IDENTICAL init values for at least two seeds,
+* equal outputs (``rtol=1e-5, atol=1e-6``), at init and perturbed params,
+* equal gradients of a scalar loss w.r.t. ``params``.
+"""
+import functools
+
+import flax.linen as fnn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import liftmods as lnn
+
+SEEDS = (0, 1)
+BACKENDS = (fnn, lnn)
+RTOL, ATOL = 1e-5, 1e-6
+
+
+# -- comparison helpers --------------------------------------------------------
+
+
+def _as_dicts(tree):
+  """Plain nested dicts (FrozenDicts thawed) with boxed leaves replaced by
+  ``('box', type name, names, value)`` tuples."""
+  if isinstance(tree, (fnn.Partitioned, lnn.Partitioned)):
+    return ('Partitioned', tuple(tree.names), _as_dicts(tree.value))
+  if hasattr(tree, 'items'):
+    return {k: _as_dicts(v) for k, v in tree.items()}
+  if isinstance(tree, (list, tuple)) and not hasattr(tree, 'shape'):
+    return type(tree)(_as_dicts(v) for v in tree)
+  return tree
+
+
+def _compare(actual, expected, what, leaf_check):
+  a, e = _as_dicts(actual), _as_dicts(expected)
+  sa, se = jax.tree_util.tree_structure(a), jax.tree_util.tree_structure(e)
+  assert sa == se, f'{what}: tree structure differs:\n{sa}\n!=\n{se}'
+  la, le = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(e)
+  assert len(la) == len(le)
+  for i, (x, y) in enumerate(zip(la, le)):
+    if isinstance(y, str) or isinstance(x, str):
+      assert x == y, f'{what} leaf {i}: {x!r} != {y!r}'
+      continue
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.shape == y.shape, f'{what} leaf {i}: {x.shape} != {y.shape}'
+    assert x.dtype == y.dtype, f'{what} leaf {i}: {x.dtype} != {y.dtype}'
+    leaf_check(x, y, f'{what} leaf {i}')
+
+
+def assert_identical(actual, expected, what=''):
+  """Same structure, shapes, dtypes and bit-identical values."""
+  _compare(actual, expected, what,
+           lambda x, y, m: np.testing.assert_array_equal(x, y, err_msg=m))
+
+
+def assert_close(actual, expected, what=''):
+  _compare(actual, expected, what,
+           lambda x, y, m: np.testing.assert_allclose(
+               x, y, rtol=RTOL, atol=ATOL, err_msg=m))
+
+
+def scalar_loss(tree):
+  """A scalar depending on every floating leaf with distinct weights."""
+  total = jnp.zeros((), jnp.float32)
+  for leaf in jax.tree_util.tree_leaves(tree):
+    leaf = jnp.asarray(leaf)
+    if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+      continue
+    w = 1.0 + 0.1 * jnp.arange(leaf.size, dtype=jnp.float32).reshape(
+        leaf.shape)
+    total = total + jnp.sum(jnp.tanh(leaf) * w)
+  return total
+
+
+def _unbox(tree):
+  is_box = lambda x: isinstance(x, (fnn.Partitioned, lnn.Partitioned))
+  return jax.tree_util.tree_map(lambda x: x.value if is_box(x) else x, tree,
+                                is_leaf=is_box)
+
+
+def perturb(variables, amount=0.2):
+  """Moves every float param away from its init value deterministically."""
+  def f(path, x):
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+      return x
+    h = (sum(len(str(p)) for p in path) % 5) + 1
+    return x + amount * h * jnp.cos(
+        jnp.arange(x.size, dtype=x.dtype)).reshape(x.shape)
+  out = dict(variables)
+  out['params'] = jax.tree_util.tree_map_with_path(f, variables['params'])
+  return out
+
+
+def _rngs(seed, names):
+  key = jax.random.key(seed)
+  if not names:
+    return key
+  keys = jax.random.split(key, len(names) + 1)
+  out = {'params': keys[0]}
+  out.update({n: k for n, k in zip(names, keys[1:])})
+  return out
+
+
+def check(build, init_args, apply_cases=None, *, mutable=False,
+          rng_names=(), seeds=SEEDS, method=None, grads=True,
+          perturbed=True, init_kwargs=None, apply_kwargs=None):
+  """Runs ``build(nn)`` with both backends and compares init, apply, grads.
+
+  Returns ``{'vars': {nn: variables}, 'out': {nn: apply output of the first
+  case}, 'init_out': {nn: init output}}`` (first seed) for extra checks.
+  """
+  if apply_cases is None:
+    apply_cases = [init_args]
+  init_kwargs = dict(init_kwargs or {})
+  apply_kwargs = dict(apply_kwargs or {})
+  if method is not None:
+    init_kwargs.setdefault('method', method)
+    apply_kwargs.setdefault('method', method)
+  mods = {nn: build(nn) for nn in BACKENDS}
+  result = {}
+  for seed in seeds:
+    res = {nn: mods[nn].init_with_output(_rngs(seed, rng_names), *init_args,
+                                         **init_kwargs)
+           for nn in BACKENDS}
+    (fo, fv), (lo, lv) = res[fnn], res[lnn]
+    assert_identical(lv, fv, f'init variables (seed {seed})')
+    assert_close(lo, fo, f'init output (seed {seed})')
+    if not result:
+      result = {'vars': {fnn: fv, lnn: lv}, 'init_out': {fnn: fo, lnn: lo}}
+  variables = result['vars']
+  apply_rngs = ({n: jax.random.key(100 + i) for i, n in enumerate(rng_names)}
+                if rng_names else None)
+
+  tags = [('init', variables)]
+  if perturbed and 'params' in variables[fnn]:
+    tags.append(('perturbed', {nn: perturb(v) for nn, v in variables.items()}))
+  for ci, case in enumerate(apply_cases):
+    for tag, vs in tags:
+      outs = {nn: mods[nn].apply(vs[nn], *case, mutable=mutable,
+                                 rngs=apply_rngs, **apply_kwargs)
+              for nn in BACKENDS}
+      assert_close(outs[lnn], outs[fnn], f'apply output ({tag}, case {ci})')
+      if ci == 0 and tag == 'init':
+        result['out'] = outs
+      if not grads or 'params' not in vs[fnn]:
+        continue
+
+      def loss(params, nn, vs=vs, case=case):
+        v = dict(vs[nn])
+        v['params'] = params
+        out = mods[nn].apply(v, *case, mutable=mutable, rngs=apply_rngs,
+                             **apply_kwargs)
+        if mutable:
+          out = out[0]
+        return scalar_loss(out)
+
+      g = {nn: jax.grad(loss)(vs[nn]['params'], nn) for nn in BACKENDS}
+      assert_close(g[lnn], g[fnn], f'param grads ({tag}, case {ci})')
+  return result
+
+
+def shapes(tree):
+  return jax.tree_util.tree_map(lambda x: tuple(np.shape(x)), _unbox(tree))
+
+
+X4 = jax.random.normal(jax.random.key(7), (4, 3))
+X23 = jax.random.normal(jax.random.key(8), (2, 3, 4))
+
+
+# -- vmap ------------------------------------------------------------------------
+
+
+def _mlp(nn):
+  class MLP(nn.Module):
+    features: int = 3
+
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Dense(4)(x)
+      x = nn.tanh(x)
+      return nn.Dense(self.features, name='out')(x)
+  return MLP
+
+
+@pytest.mark.parametrize('axis', [0, 1])
+def test_vmap_params_stacked_split(axis):
+  def build(nn):
+    return nn.vmap(_mlp(nn), variable_axes={'params': axis},
+                   split_rngs={'params': True}, in_axes=0, out_axes=0)(2)
+
+  r = check(build, (X4,))
+  k = np.asarray(r['vars'][fnn]['params']['Dense_0']['kernel'])
+  assert k.shape == ((4, 3, 4) if axis == 0 else (3, 4, 4))
+  k0, k1 = np.take(k, 0, axis), np.take(k, 1, axis)
+  assert not np.array_equal(k0, k1)
+
+
+def test_vmap_params_stacked_no_split():
+  def build(nn):
+    return nn.vmap(_mlp(nn), variable_axes={'params': 0},
+                   split_rngs={'params': False})(2)
+
+  r = check(build, (X4,))
+  k = np.asarray(r['vars'][lnn]['params']['out']['kernel'])
+  assert k.shape == (4, 4, 2)
+  for i in range(1, 4):
+    np.testing.assert_array_equal(k[i], k[0])
+
+
+def test_vmap_params_shared():
+  def build(nn):
+    return nn.vmap(_mlp(nn), variable_axes={'params': None},
+                   split_rngs={'params': False})(2)
+
+  r = check(build, (X4,))
+  assert shapes(r['vars'][fnn])['params']['Dense_0']['kernel'] == (3, 4)
+
+
+def test_vmap_in_out_axes_trees():
+  a = jax.random.normal(jax.random.key(1), (4, 2))
+  b = jax.random.normal(jax.random.key(2), (2, 4))
+  ctx = jnp.float32(1.5)
+  d = {'u': jax.random.normal(jax.random.key(3), (4, 5)),
+       'v': jax.random.normal(jax.random.key(4), (3, 4))}
+
+  def build(nn):
+    class Two(nn.Module):
+      @nn.compact
+      def __call__(self, pair, ctx, d):
+        a, b = pair
+        h = nn.Dense(3)(a) + nn.Dense(3)(b) * ctx
+        h = h + nn.Dense(3)(d['u']) - d['v'].sum()
+        return h, (jnp.sum(h), ctx * 2)
+
+    return nn.vmap(Two, variable_axes={'params': None},
+                   split_rngs={'params': False},
+                   in_axes=((0, 1), None, {'u': 0, 'v': 1}),
+                   out_axes=(1, (0, None)))()
+
+  r = check(build, ((a, b), ctx, d))
+  h, (s, c) = r['out'][lnn]
+  assert h.shape == (3, 4) and s.shape == (4,) and c.shape == ()
+
+
+def test_vmap_axis_size_without_mapped_inputs():
+  def build(nn):
+    return nn.vmap(_mlp(nn), variable_axes={'params': 0},
+                   split_rngs={'params': True}, in_axes=None, out_axes=0,
+                   axis_size=3)(2)
+
+  x = jax.random.normal(jax.random.key(5), (3,))
+  r = check(build, (x,))
+  assert r['out'][lnn].shape == (3, 2)
+  assert shapes(r['vars'][lnn])['params']['out']['kernel'] == (3, 4, 2)
+
+
+def test_vmap_axis_name_batchnorm():
+  def build(nn):
+    class Net(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        x = nn.Dense(3)(x)
+        x = nn.BatchNorm(use_running_average=False, axis_name='batch',
+                         momentum=0.8)(x)
+        return nn.relu(x)
+
+    return nn.vmap(Net, variable_axes={'params': None, 'batch_stats': None},
+                   split_rngs={'params': False}, in_axes=0, out_axes=0,
+                   axis_name='batch')()
+
+  x = jax.random.normal(jax.random.key(9), (5, 3))
+  r = check(build, (x,), mutable=['batch_stats'])
+  y, upd = r['out'][lnn]
+  stats = upd['batch_stats']['BatchNorm_0']
+  # the per-example stats are averaged over the vmapped axis
+  assert stats['mean'].shape == (3,)
+  assert_close(upd, r['out'][fnn][1], 'updated batch_stats')
+  assert not np.allclose(stats['mean'], 0.0)
+
+
+def _autoencoder(nn):
+  class AE(nn.Module):
+    def setup(self):
+      self.enc = nn.Dense(2)
+      self.dec = nn.Dense(3)
+
+    def encode(self, x):
+      return self.enc(x)
+
+    def decode(self, z):
+      return self.dec(z)
+
+    def __call__(self, x):
+      return self.decode(self.encode(x))
+  return AE
+
+
+def test_vmap_methods_list():
+  def build(nn):
+    VAE = nn.vmap(_autoencoder(nn), variable_axes={'params': 0},
+                  split_rngs={'params': True}, methods=['encode', 'decode'])
+
+    class Outer(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        ae = VAE()
+        z = ae.encode(x)
+        return ae.decode(z), z
+    return Outer()
+
+  r = check(build, (X4,))
+  p = shapes(r['vars'][lnn]['params'])
+  assert p['VmapAE_0']['enc']['kernel'] == (4, 3, 2)
+  assert p['VmapAE_0']['dec']['kernel'] == (4, 2, 3)
+
+
+def test_vmap_methods_dict():
+  def build(nn):
+    VAE = nn.vmap(_autoencoder(nn), methods={
+        'encode': dict(variable_axes={'params': 0},
+                       split_rngs={'params': True}, in_axes=0, out_axes=1),
+        'decode': dict(variable_axes={'params': 0},
+                       split_rngs={'params': True}, in_axes=1, out_axes=0),
+    })
+
+    class Outer(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        ae = VAE()
+        z = ae.encode(x)
+        return ae.decode(z), z
+    return Outer()
+
+  r = check(build, (X4,))
+  y, z = r['out'][lnn]
+  assert z.shape == (2, 4) and y.shape == (4, 3)
+
+
+def test_vmap_init_via_method():
+  def build(nn):
+    return nn.vmap(_autoencoder(nn), variable_axes={'params': 0},
+                   split_rngs={'params': True},
+                   methods=['encode', 'decode', '__call__'])()
+
+  r = check(build, (X4,))
+  # apply a single method of the vmapped class
+  zs = {nn: build(nn).apply(r['vars'][nn], X4, method='encode')
+        for nn in BACKENDS}
+  assert_close(zs[lnn], zs[fnn], 'encode')
+
+
+# -- scan ------------------------------------------------------------------------
+
+
+def _block(nn, features=3):
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, c, x):
+      h = nn.Dense(features)(jnp.concatenate([c, x], -1))
+      c = nn.tanh(h) + c
+      return c, h * 2
+  return Block
+
+
+C0 = jax.random.normal(jax.random.key(21), (2, 3))
+XS = jax.random.normal(jax.random.key(22), (4, 2, 2))
+
+
+def test_scan_variable_axes_split():
+  def build(nn):
+    return nn.scan(_block(nn), variable_axes={'params': 0},
+                   split_rngs={'params': True})()
+
+  r = check(build, (C0, XS))
+  k = np.asarray(r['vars'][lnn]['params']['Dense_0']['kernel'])
+  assert k.shape == (4, 5, 3)
+  assert not np.array_equal(k[0], k[1])
+
+
+def test_scan_variable_broadcast():
+  def build(nn):
+    return nn.scan(_block(nn), variable_broadcast='params',
+                   split_rngs={'params': False})()
+
+  r = check(build, (C0, XS))
+  assert shapes(r['vars'][lnn]['params'])['Dense_0']['kernel'] == (5, 3)
+
+
+def test_scan_variable_carry_counter():
+  """A counter collection carried through the iterations (it must exist
+  before the loop, so the parent creates it and scans a function of
+  itself)."""
+  def build(nn):
+    class Counted(nn.Module):
+      @nn.compact
+      def __call__(self, c, xs):
+        self.variable('counter', 'n', lambda: jnp.zeros((), jnp.int32))
+        self.variable('counter', 'acc', lambda: jnp.zeros((2, 3)))
+
+        def body(mdl, c, x):
+          n = mdl.variable('counter', 'n')
+          acc = mdl.variable('counter', 'acc')
+          n.value += 1
+          h = nn.Dense(3, name='dense')(x) + c
+          acc.value = acc.value + h
+          return h, acc.value
+
+        return nn.scan(body, variable_axes={'params': 0},
+                       variable_carry='counter',
+                       split_rngs={'params': True})(self, c, xs)
+    return Counted()
+
+  r = check(build, (C0, XS), mutable=['counter'])
+  v = r['vars'][lnn]
+  assert int(v['counter']['n']) == 4
+  assert shapes(v['params'])['dense']['kernel'] == (4, 2, 3)
+  (_, ys), upd = r['out'][lnn]
+  assert int(upd['counter']['n']) == 8
+  assert_close(upd, r['out'][fnn][1], 'counter after apply')
+  np.testing.assert_allclose(upd['counter']['acc'] - v['counter']['acc'],
+                             ys.sum(0), rtol=RTOL, atol=1e-5)
+  # apply again, continuing from the carried counter
+  for nn in BACKENDS:
+    again = build(nn).apply({**r['vars'][nn], **r['out'][nn][1]}, C0, XS,
+                            mutable=['counter'])[1]
+    assert int(again['counter']['n']) == 12
+
+
+def test_scan_variable_carry_class_form():
+  """Class form: the carried collection is created by the scanned module's
+  own init-time logic outside the loop via a non-scanned warm-up call."""
+  def build(nn):
+    class Step(nn.Module):
+      @nn.compact
+      def __call__(self, c, x):
+        n = self.variable('counter', 'n', lambda: jnp.zeros((), jnp.int32))
+        n.value += 1
+        return c * 0.5 + x.sum(), n.value
+
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, c, xs):
+        S = nn.scan(Step, variable_carry='counter', split_rngs={})
+        step = S(name='step')
+        return step(c, xs)
+    return Model()
+
+  c = jnp.zeros((2,))
+  xs = jnp.ones((3, 2))
+  init_counter = {'n': jnp.zeros((), jnp.int32)}
+  for nn in BACKENDS:
+    m = build(nn)
+    (c1, ns), upd = m.apply({'counter': {'step': init_counter}}, c, xs,
+                            mutable=['counter'])
+    np.testing.assert_array_equal(ns, [1, 2, 3])
+    assert int(upd['counter']['step']['n']) == 3
+
+
+def _dropout_block(nn):
+  class DBlock(nn.Module):
+    @nn.compact
+    def __call__(self, c, x):
+      h = nn.Dense(3)(x) + c
+      h = nn.Dropout(0.5, deterministic=False)(h)
+      return nn.tanh(h), h
+  return DBlock
+
+
+@pytest.mark.parametrize('split_dropout', [True, False])
+def test_scan_split_rngs_dropout(split_dropout):
+  def build(nn):
+    return nn.scan(_dropout_block(nn), variable_axes={'params': 0},
+                   split_rngs={'params': True, 'dropout': split_dropout})()
+
+  r = check(build, (C0, XS), rng_names=('dropout',))
+  _, ys = r['out'][lnn]
+  masks = np.asarray(ys) == 0
+  assert masks.any()
+  # with split dropout rngs the masks differ between iterations
+  same = all(np.array_equal(masks[0], masks[i]) for i in range(1, 4))
+  assert same != split_dropout
+
+
+@pytest.mark.parametrize('reverse,unroll', [(True, 1), (False, 2),
+                                            (True, 2)])
+def test_scan_reverse_unroll(reverse, unroll):
+  def build(nn):
+    return nn.scan(_block(nn), variable_axes={'params': 0},
+                   split_rngs={'params': True}, reverse=reverse,
+                   unroll=unroll)()
+
+  check(build, (C0, XS))
+
+
+def test_scan_reverse_reverses_order():
+  for nn in BACKENDS:
+    fwd = nn.scan(_block(nn), variable_broadcast='params',
+                  split_rngs={'params': False})()
+    bwd = nn.scan(_block(nn), variable_broadcast='params',
+                  split_rngs={'params': False}, reverse=True)()
+    v = fwd.init(jax.random.key(0), C0, XS)
+    c_f, ys_f = fwd.apply(v, C0, XS[::-1])
+    c_b, ys_b = bwd.apply(v, C0, XS)
+    np.testing.assert_allclose(c_f, c_b, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(ys_f[::-1], ys_b, rtol=RTOL, atol=ATOL)
+
+
+def test_scan_length_without_xs():
+  def build(nn):
+    class Step(nn.Module):
+      @nn.compact
+      def __call__(self, c):
+        c = nn.tanh(nn.Dense(3)(c))
+        return c, c.sum(-1)
+
+    return nn.scan(Step, variable_axes={'params': 0},
+                   split_rngs={'params': True}, length=3)()
+
+  r = check(build, (C0,))
+  c, ys = r['out'][lnn]
+  assert ys.shape == (3, 2)
+  assert shapes(r['vars'][lnn]['params'])['Dense_0']['kernel'] == (3, 3, 3)
+
+
+def test_scan_broadcast_in_axes_and_out_axes():
+  def build(nn):
+    class Ctx(nn.Module):
+      @nn.compact
+      def __call__(self, c, x, ctx):
+        h = nn.Dense(3)(x) + nn.Dense(3, use_bias=False)(ctx) + c
+        return nn.tanh(h), h
+
+    return nn.scan(Ctx, variable_broadcast='params',
+                   split_rngs={'params': False},
+                   in_axes=(1, nn.broadcast), out_axes=2)()
+
+  xs = jax.random.normal(jax.random.key(3), (2, 5, 2))  # time on axis 1
+  ctx = jax.random.normal(jax.random.key(4), (2, 4))
+  r = check(build, (C0, xs, ctx))
+  c, ys = r['out'][lnn]
+  assert ys.shape == (2, 3, 5)
+
+
+def test_scan_lstm_over_time():
+  """The classic Linen RNN: a scanned LSTMCell with broadcast params."""
+  def build(nn):
+    class RNN(nn.Module):
+      hidden: int = 4
+
+      @nn.compact
+      def __call__(self, xs):
+        cell = nn.scan(nn.LSTMCell, variable_broadcast='params',
+                       split_rngs={'params': False}, in_axes=1,
+                       out_axes=1)(self.hidden, name='lstm')
+        carry = cell.initialize_carry(jax.random.key(0), xs[:, 0].shape)
+        carry, ys = cell(carry, xs)
+        return nn.Dense(2)(ys), carry
+
+    return RNN()
+
+  xs = jax.random.normal(jax.random.key(5), (2, 6, 3))
+  r = check(build, (xs,))
+  p = shapes(r['vars'][lnn]['params'])
+  assert set(p['lstm']) == {'ii', 'if', 'ig', 'io', 'hi', 'hf', 'hg', 'ho'}
+  assert r['out'][lnn][0].shape == (2, 6, 2)
+
+
+def test_scan_stack_of_layers_with_layernorm():
+  def build(nn):
+    class Layer(nn.Module):
+      @nn.compact
+      def __call__(self, x, _):
+        y = nn.LayerNorm()(x)
+        y = nn.Dense(4)(y)
+        return x + nn.gelu(y), None
+
+    class Stack(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        x, _ = nn.scan(Layer, variable_axes={'params': 0},
+                       split_rngs={'params': True}, length=3)(
+                           name='layers')(x, None)
+        return x
+    return Stack()
+
+  x = jax.random.normal(jax.random.key(6), (2, 4))
+  r = check(build, (x,))
+  assert shapes(r['vars'][lnn])['params']['layers']['LayerNorm_0'][
+      'scale'] == (3, 4)
+
+
+# -- nesting -----------------------------------------------------------------------
+
+
+def test_scan_of_remat():
+  def build(nn):
+    return nn.scan(nn.remat(_block(nn)), variable_axes={'params': 0},
+                   split_rngs={'params': True})()
+
+  check(build, (C0, XS))
+
+
+def test_vmap_of_scan():
+  def build(nn):
+    Scanned = nn.scan(_block(nn), variable_axes={'params': 0},
+                      split_rngs={'params': True})
+    return nn.vmap(Scanned, variable_axes={'params': None},
+                   split_rngs={'params': False}, in_axes=(0, 1),
+                   out_axes=(0, 1))()
+
+  c0 = jax.random.normal(jax.random.key(1), (2, 3))  # vmapped over 2
+  xs = jax.random.normal(jax.random.key(2), (4, 2, 2))  # time 4, batch 2
+  r = check(build, (c0, xs))
+  assert shapes(r['vars'][lnn])['params']['Dense_0']['kernel'] == (4, 5, 3)
+
+
+def test_vmap_of_scan_stacked_both():
+  def build(nn):
+    Scanned = nn.scan(_block(nn), variable_axes={'params': 0},
+                      split_rngs={'params': True})
+    return nn.vmap(Scanned, variable_axes={'params': 1},
+                   split_rngs={'params': True}, in_axes=(0, 1),
+                   out_axes=(0, 1))()
+
+  c0 = jax.random.normal(jax.random.key(1), (2, 3))
+  xs = jax.random.normal(jax.random.key(2), (4, 2, 2))
+  r = check(build, (c0, xs))
+  assert shapes(r['vars'][lnn])['params']['Dense_0']['kernel'] == (4, 2, 5,
+                                                                     3)
+
+
+def test_remat_of_vmap():
+  def build(nn):
+    return nn.remat(nn.vmap(_mlp(nn), variable_axes={'params': 0},
+                            split_rngs={'params': True}))(2)
+
+  check(build, (X4,))
+
+
+def test_jit_around_scan():
+  def build(nn):
+    Scanned = nn.scan(_block(nn), variable_axes={'params': 0},
+                      split_rngs={'params': True})
+    return nn.jit(Scanned)()
+
+  check(build, (C0, XS))
+
+
+def test_jit_of_parent_containing_scan():
+  def build(nn):
+    class Parent(nn.Module):
+      @nn.compact
+      def __call__(self, c, xs):
+        c, ys = nn.scan(_block(nn), variable_axes={'params': 0},
+                        split_rngs={'params': True})(name='scan')(c, xs)
+        return nn.Dense(2)(ys), c
+    return nn.jit(Parent)()
+
+  check(build, (C0, XS))
+
+
+def test_transformed_submodules_in_setup():
+  def build(nn):
+    class Model(nn.Module):
+      def setup(self):
+        self.vdense = nn.vmap(nn.Dense, variable_axes={'params': 0},
+                              split_rngs={'params': True})(3)
+        self.rdense = nn.remat(nn.Dense)(2)
+
+      def __call__(self, x):
+        return self.rdense(nn.relu(self.vdense(x)))
+    return Model()
+
+  r = check(build, (X4,))
+  p = shapes(r['vars'][lnn]['params'])
+  assert p['vdense']['kernel'] == (4, 3, 3) and p['rdense']['kernel'] == (3,
+                                                                            2)
+
+
+def test_scan_in_setup_layers():
+  def build(nn):
+    class Layer(nn.Module):
+      @nn.compact
+      def __call__(self, x, _):
+        return x + nn.tanh(nn.Dense(4)(x)), None
+
+    class Model(nn.Module):
+      def setup(self):
+        self.layers = nn.scan(Layer, variable_axes={'params': 0},
+                              split_rngs={'params': True}, length=3)()
+        self.head = nn.Dense(2)
+
+      def __call__(self, x):
+        x, _ = self.layers(x, None)
+        return self.head(x)
+    return Model()
+
+  x = jax.random.normal(jax.random.key(6), (2, 4))
+  r = check(build, (x,))
+  assert shapes(r['vars'][lnn])['params']['layers']['Dense_0'][
+      'kernel'] == (3, 4, 4)
+
+
+def test_vmap_function_with_module_arguments():
+  def build(nn):
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        other = nn.Dense(3, name='other')
+
+        def fn(mdl, other, x):
+          h = nn.Dense(3, name='own')(x)
+          return other(h) + h
+        vfn = nn.vmap(fn, variable_axes={'params': 0},
+                      split_rngs={'params': True})
+        return vfn(self, other, x)
+    return Model()
+
+  r = check(build, (X4,))
+  p = shapes(r['vars'][lnn]['params'])
+  assert p['own']['kernel'] == (4, 3, 3) and p['other']['kernel'] == (4, 3, 3)
+
+
+def test_vmap_function_with_module_argument_shared():
+  def build(nn):
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        other = nn.Dense(3, name='other')
+        other(x[0])  # initialise outside the transform: shared
+
+        def fn(mdl, other, x):
+          return other(x) * 2
+        vfn = nn.vmap(fn, variable_axes={'params': None},
+                      split_rngs={'params': False})
+        return vfn(self, other, x)
+    return Model()
+
+  r = check(build, (X4,))
+  assert shapes(r['vars'][lnn])['params']['other']['kernel'] == (3, 3)
+
+
+def test_module_as_dataclass_field_of_transformed():
+  def build(nn):
+    class Wrapper(nn.Module):
+      inner: nn.Module
+
+      @nn.compact
+      def __call__(self, x):
+        return self.inner(x) + nn.Dense(2)(x)
+
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        inner = nn.Dense(2, name='inner')
+        VW = nn.vmap(Wrapper, variable_axes={'params': 0},
+                     split_rngs={'params': True})
+        return VW(inner)(x)
+    return Model()
+
+  r = check(build, (X4,))
+  p = shapes(r['vars'][lnn]['params'])
+  assert p['inner']['kernel'] == (4, 3, 2)
+
+
+def test_module_field_of_scan_shared():
+  def build(nn):
+    class Wrapper(nn.Module):
+      inner: nn.Module
+
+      @nn.compact
+      def __call__(self, c, x):
+        c = nn.tanh(self.inner(c) + nn.Dense(3)(x))
+        return c, c
+
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, c, xs):
+        inner = nn.Dense(3, name='inner')
+        SW = nn.scan(Wrapper, variable_axes={'params': 0},
+                     variable_broadcast=False, split_rngs={'params': True})
+        return SW(inner, name='scan')(c, xs)
+    return Model()
+
+  r = check(build, (C0, XS))
+  p = shapes(r['vars'][lnn]['params'])
+  assert p['inner']['kernel'] == (4, 3, 3)
+
+
+def test_decorator_jit_and_remat():
+  def build(nn):
+    class JitBlock(nn.Module):
+      @nn.jit
+      @nn.compact
+      def __call__(self, x):
+        return nn.relu(nn.Dense(3)(x))
+
+    class RematBlock(nn.Module):
+      @nn.remat
+      @nn.compact
+      def __call__(self, x):
+        return nn.tanh(nn.Dense(2)(x))
+
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        return RematBlock()(JitBlock()(x))
+    return Model()
+
+  r = check(build, (X4,))
+  assert set(r['vars'][lnn]['params']) == {'JitBlock_0', 'RematBlock_0'}
+
+
+def test_decorator_vmap_on_method():
+  def build(nn):
+    class Model(nn.Module):
+      @functools.partial(nn.vmap, variable_axes={'params': 0},
+                         split_rngs={'params': True})
+      @nn.compact
+      def __call__(self, x):
+        return nn.Dense(2)(x)
+    return Model()
+
+  r = check(build, (X4,))
+  assert shapes(r['vars'][lnn])['params']['Dense_0']['kernel'] == (4, 3, 2)
+
+
+# -- checkpoint ----------------------------------------------------------------------
+
+
+def test_checkpoint_static_argnums():
+  def build(nn):
+    class Block(nn.Module):
+      @nn.compact
+      def __call__(self, x, scale: float, relu: bool):
+        h = nn.Dense(3)(x) * scale
+        return nn.relu(h) if relu else nn.tanh(h)
+
+    class Model(nn.Module):
+      relu: bool = True
+
+      @nn.compact
+      def __call__(self, x):
+        B = nn.remat(Block, static_argnums=(2, 3))
+        return B()(x, 2.0, self.relu) + B()(x, 0.5, not self.relu)
+    return Model()
+
+  check(build, (X4,))
+  check(lambda nn: build(nn).clone(relu=False), (X4,))
+
+
+def test_checkpoint_policy_nothing_saveable():
+  def build(nn):
+    return nn.checkpoint(_mlp(nn),
+                         policy=jax.checkpoint_policies.nothing_saveable)(2)
+
+  check(build, (X4,))
+
+
+def test_checkpoint_rematerializes():
+  """The jaxpr of the gradient contains a remat (checkpoint) primitive."""
+  for nn in BACKENDS:
+    m = nn.remat(_mlp(nn))(2)
+    v = m.init(jax.random.key(0), X4)
+    jaxpr = jax.make_jaxpr(jax.grad(
+        lambda p: m.apply({'params': p}, X4).sum()))(v['params'])
+    assert 'remat' in str(jaxpr) or 'checkpoint' in str(jaxpr)
+
+
+def test_remat_scan_lengths():
+  def build(nn):
+    class Layer(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        return x + nn.tanh(nn.Dense(3)(x))
+
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        return nn.remat_scan(Layer, lengths=(2, 3))(name='stack')(x)
+    return Model()
+
+  x = jax.random.normal(jax.random.key(1), (2, 3))
+  r = check(build, (x,))
+  assert shapes(r['vars'][lnn])['params']['stack']['Dense_0'][
+      'kernel'] == (2, 3, 3, 3)
+
+
+# -- jit -----------------------------------------------------------------------------
+
+
+def _counting(nn, counter):
+  class Counted(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      counter.append(x.shape)
+      return nn.Dense(2)(x)
+  return Counted
+
+
+@pytest.mark.parametrize('nn', BACKENDS, ids=['flax', 'liftmods'])
+def test_jit_compile_cache(nn):
+  counter = []
+  m = nn.jit(_counting(nn, counter))()
+  v = m.init(jax.random.key(0), X4)
+  counter.clear()
+  ys = [m.apply(v, X4) for _ in range(3)]
+  assert len(counter) == 1, counter
+  for y in ys[1:]:
+    np.testing.assert_array_equal(y, ys[0])
+  m.apply(v, X4 + 1.0)  # same shape: cache hit
+  assert len(counter) == 1
+  m.apply(v, jnp.ones((5, 3)))  # new shape: new trace
+  assert len(counter) == 2
+  m.apply(v, jnp.ones((5, 3)))
+  assert len(counter) == 2
+
+
+def test_jit_trace_counts_match_flax():
+  counts = {}
+  for nn in BACKENDS:
+    counter = []
+    m = nn.jit(_counting(nn, counter))()
+    v = m.init(jax.random.key(0), X4)
+    n_init = len(counter)
+    for _ in range(3):
+      m.apply(v, X4)
+    m.apply(v, jnp.ones((6, 3)))
+    counts[nn] = (n_init, len(counter))
+  assert counts[lnn] == counts[fnn]
+
+
+def test_jit_dropout_called_twice_rng_counters():
+  def build(nn):
+    class Drop(nn.Module):
+      @nn.jit
+      @nn.compact
+      def __call__(self, x):
+        return nn.Dropout(0.5, deterministic=False)(x)
+
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        d = Drop()
+        a = d(x)
+        b = d(x)
+        c = Drop()(x)
+        return a, b, c, self.make_rng('dropout')
+    return Model()
+
+  x = jnp.ones((4, 6))
+  r = check(build, (x,), rng_names=('dropout',), grads=False)
+  a, b, c, key = r['out'][lnn]
+  assert not np.array_equal(a, b)
+  fa, fb, fc, fkey = r['out'][fnn]
+  np.testing.assert_array_equal(a, fa)
+  np.testing.assert_array_equal(b, fb)
+  np.testing.assert_array_equal(c, fc)
+  np.testing.assert_array_equal(jax.random.key_data(key),
+                                jax.random.key_data(fkey))
+
+
+def test_jit_class_dropout_called_twice():
+  def build(nn):
+    JDrop = nn.jit(nn.Dropout)
+
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        d = JDrop(0.5, deterministic=False)
+        return d(x), d(x), nn.Dropout(0.5, deterministic=False)(x)
+    return Model()
+
+  x = jnp.ones((4, 6))
+  r = check(build, (x,), rng_names=('dropout',), grads=False)
+  for a, b in zip(r['out'][lnn], r['out'][fnn]):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_jit_static_argnums():
+  def build(nn):
+    class Block(nn.Module):
+      @nn.compact
+      def __call__(self, x, mode: str):
+        h = nn.Dense(3)(x)
+        return nn.relu(h) if mode == 'relu' else jnp.sin(h)
+
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        B = nn.jit(Block, static_argnums=(2,))
+        b = B()
+        return b(x, 'relu') + b(x, 'sin')
+    return Model()
+
+  check(build, (X4,))
+
+
+def test_jit_then_vmap():
+  def build(nn):
+    return nn.vmap(nn.jit(_mlp(nn)), variable_axes={'params': 0},
+                   split_rngs={'params': True})(2)
+
+  check(build, (X4,))
+
+
+# -- cond / switch / while_loop --------------------------------------------------
+
+
+def test_cond_both_branches_init():
+  def build(nn):
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x, pred):
+        a = nn.Dense(3, name='a')
+        b = nn.Dense(3, name='b')
+        if self.is_initializing():
+          a(x), b(x)
+
+        def t(mdl, x):
+          return a(x)
+
+        def f(mdl, x):
+          return -b(x) * 2
+        return nn.cond(pred, t, f, self, x)
+    return Model()
+
+  cases = [(X4, True), (X4, False), (X4, jnp.array(True)),
+           (X4, jnp.array(False))]
+  r = check(build, (X4, True), cases)
+  assert set(r['vars'][lnn]['params']) == {'a', 'b'}
+
+
+def test_cond_under_jit_traced_pred():
+  def build(nn):
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        def t(mdl, x):
+          return nn.Dense(3, name='d')(x)
+
+        def f(mdl, x):
+          return nn.Dense(3, name='d')(x) * -1
+        return nn.cond(x.sum() > 0, t, f, self, x)
+    return Model()
+
+  check(build, (X4,), [(X4,), (-X4,)])
+
+
+def test_switch_both_branches_init():
+  def build(nn):
+    class Model(nn.Module):
+      def setup(self):
+        self.heads = [nn.Dense(2), nn.Dense(2), nn.Dense(2)]
+
+      def __call__(self, x, i):
+        if self.is_mutable_collection('params'):
+          for h in self.heads:
+            h(x)
+        branches = [lambda m, x, k=k: m.heads[k](x) * (k + 1)
+                    for k in range(3)]
+        return nn.switch(i, branches, self, x)
+    return Model()
+
+  cases = [(X4, i) for i in range(3)] + [(X4, jnp.array(2))]
+  r = check(build, (X4, 0), cases)
+  assert set(r['vars'][lnn]['params']) == {'heads_0', 'heads_1', 'heads_2'}
+
+
+def test_while_loop_carry_counter():
+  def build(nn):
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        self.variable('counter', 'n', lambda: jnp.zeros((), jnp.int32))
+        dense = nn.Dense(3)
+        if self.is_initializing():
+          dense(x)
+
+        def cond_fn(mdl, c):
+          return mdl.variables['counter']['n'] < 5
+
+        def body_fn(mdl, c):
+          mdl.variable('counter', 'n').value += 1
+          return nn.tanh(dense(c))
+        return nn.while_loop(cond_fn, body_fn, self, x,
+                             carry_variables='counter')
+    return Model()
+
+  x = jax.random.normal(jax.random.key(3), (2, 3))
+  r = check(build, (x,), mutable=['counter'], grads=False)
+  _, upd = r['out'][lnn]
+  assert int(upd['counter']['n']) == 5
+  assert int(r['out'][fnn][1]['counter']['n']) == 5
+
+
+# -- map_variables ---------------------------------------------------------------
+
+
+def test_map_variables_weight_transform_init():
+  def build(nn):
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        # kernel used as its sign-preserving square; also transformed on init
+        SqDense = nn.map_variables(
+            nn.Dense, 'params',
+            trans_in_fn=lambda vs: jax.tree_util.tree_map(
+                lambda w: w * jnp.abs(w), vs),
+            init=True)
+        return SqDense(3, name='sq')(x)
+    return Model()
+
+  r = check(build, (X4,))
+  v = r['vars'][lnn]['params']['sq']
+  y = X4 @ (v['kernel'] * np.abs(v['kernel'])) + v['bias'] * np.abs(
+      v['bias'])
+  np.testing.assert_allclose(r['out'][lnn], y, rtol=RTOL, atol=ATOL)
+
+
+def test_map_variables_trans_out_and_mutable():
+  def build(nn):
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        Scaled = nn.map_variables(
+            nn.Dense, 'params',
+            trans_in_fn=lambda vs: jax.tree_util.tree_map(
+                lambda w: w / 2.0, vs),
+            trans_out_fn=lambda vs: jax.tree_util.tree_map(
+                lambda w: w * 2.0, vs),
+            init=True, mutable=True)
+        return Scaled(3)(x)
+    return Model()
+
+  check(build, (X4,))
+
+
+# -- vjp / jvp / grad / value_and_grad / custom_vjp ------------------------------
+
+
+def test_vjp_module_level():
+  def build(nn):
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        def f(mdl, x):
+          return mdl(x)
+        y, bwd = nn.vjp(f, _mlp(nn)(2), x)
+        params_t, x_t = bwd(jnp.ones_like(y))
+        return y, params_t, x_t
+    return Model()
+
+  r = check(build, (X4,))
+  y, params_t, x_t = r['out'][lnn]
+  assert x_t.shape == X4.shape
+  assert set(params_t) == {'Dense_0', 'out'}
+
+
+def test_vjp_has_aux_and_vjp_variables():
+  def build(nn):
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        def f(mdl, x):
+          y = mdl(x)
+          return y, jnp.sum(y ** 2)
+        y, bwd, aux = nn.vjp(f, _mlp(nn)(2), x, has_aux=True)
+        params_t, x_t = bwd(y)
+        return y, aux, params_t, x_t
+    return Model()
+
+  check(build, (X4,))
+
+
+def test_value_and_grad_and_grad_module_level():
+  def build(nn):
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        def f(mdl, x):
+          return jnp.sum(mdl(x) ** 2)
+        mlp = _mlp(nn)(2)
+        value, (p_grad, x_grad) = nn.value_and_grad(f, mlp, x)
+        p_grad2, x_grad2 = nn.grad(f, mlp, x)
+        return value, p_grad, x_grad, p_grad2, x_grad2
+    return Model()
+
+  r = check(build, (X4,))
+  value, pg, xg, pg2, xg2 = r['out'][lnn]
+  assert_identical(pg, pg2)
+  assert_identical(xg, xg2)
+
+
+def test_value_and_grad_has_aux():
+  def build(nn):
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        def f(mdl, x):
+          y = mdl(x)
+          return jnp.sum(y), y.mean(0)
+        (value, aux), (p_grad, x_grad) = nn.value_and_grad(
+            f, _mlp(nn)(2), x, has_aux=True)
+        (p_grad2, x_grad2), aux2 = nn.grad(f, _mlp(nn)(2, name='b'), x,
+                                           has_aux=True)
+        return value, aux, p_grad, x_grad, p_grad2, x_grad2, aux2
+    return Model()
+
+  check(build, (X4,))
+
+
+def test_jvp_module_level():
+  def build(nn):
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        mlp = _mlp(nn)(2)
+        y0 = mlp(x)  # create the params before taking tangents
+        p = mlp.variables['params']
+        t = jax.tree_util.tree_map(lambda a: jnp.full_like(a, 0.5), p)
+        y, y_t = nn.jvp(lambda mdl, x: mdl(x), mlp, (x,),
+                        (jnp.ones_like(x),), {'params': t})
+        return y0, y, y_t
+    return Model()
+
+  r = check(build, (X4,))
+  y0, y, y_t = r['out'][lnn]
+  np.testing.assert_allclose(y0, y, rtol=RTOL, atol=ATOL)
+
+
+def test_custom_vjp_sign_grad():
+  def build(nn):
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        def f(mdl, x):
+          return mdl(x)
+
+        def fwd(mdl, x):
+          return nn.vjp(f, mdl, x)
+
+        def bwd(vjp_fn, y_t):
+          params_t, *inputs_t = vjp_fn(y_t)
+          params_t = jax.tree_util.tree_map(jnp.sign, params_t)
+          return (params_t, *inputs_t)
+
+        sign_grad = nn.custom_vjp(f, forward_fn=fwd, backward_fn=bwd)
+        return sign_grad(nn.Dense(1), x).sum()
+    return Model()
+
+  r = check(build, (X4,))
+  for nn in BACKENDS:
+    g = jax.grad(lambda p: build(nn).apply({'params': p}, X4))(
+        r['vars'][nn]['params'])
+    for leaf in jax.tree_util.tree_leaves(g):
+      assert set(np.unique(np.asarray(leaf))) <= {-1.0, 0.0, 1.0}
+
+
+# -- axis metadata -----------------------------------------------------------------
+
+
+def _partitioned_block(nn):
+  class PBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      k = nn.with_partitioning(nn.initializers.lecun_normal(),
+                               ('embed', 'mlp'))
+      y = nn.Dense(3, kernel_init=k, use_bias=False)(x)
+      w = self.param('w', nn.with_partitioning(nn.initializers.ones_init(),
+                                               ('mlp',)), (3,))
+      return x + nn.tanh(y * w), None
+  return PBlock
+
+
+def _check_names(r, expected):
+  names = {}
+  for nn in BACKENDS:
+    boxes = [b for b in jax.tree_util.tree_leaves(
+        r['vars'][nn], is_leaf=lambda x: isinstance(x, nn.Partitioned))]
+    names[nn] = [tuple(b.names) for b in boxes]
+    specs = nn.get_partition_spec(r['vars'][nn])
+    names[nn, 'spec'] = [tuple(s) for s in jax.tree_util.tree_leaves(
+        specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))]
+  assert names[lnn] == names[fnn] == expected
+  assert names[lnn, 'spec'] == names[fnn, 'spec']
+
+
+def test_partitioned_through_scan():
+  def build(nn):
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        x, _ = nn.scan(_partitioned_block(nn), variable_axes={'params': 0},
+                       split_rngs={'params': True}, length=2,
+                       metadata_params={nn.meta.PARTITION_NAME: 'layers'})(
+                           name='scan')(x, None)
+        return x
+    return Model()
+
+  x = jax.random.normal(jax.random.key(1), (2, 3))
+  r = check(build, (x,))
+  _check_names(r, [('layers', 'embed', 'mlp'), ('layers', 'mlp')])
+
+
+def test_partitioned_through_vmap_axis1():
+  def build(nn):
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        def f(mdl, x):
+          return _partitioned_block(nn)()(x, None)[0]
+        return nn.vmap(f, variable_axes={'params': 1},
+                       split_rngs={'params': True},
+                       metadata_params={nn.meta.PARTITION_NAME: 'batch'})(
+                           self, x)
+    return Model()
+
+  x = jax.random.normal(jax.random.key(1), (2, 3))
+  r = check(build, (x,))
+  _check_names(r, [('embed', 'batch', 'mlp'), ('mlp', 'batch')])
+
+
+def test_add_metadata_axis():
+  def build(nn):
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        Tagged = nn.add_metadata_axis(
+            _partitioned_block(nn), variable_axes={'params': 0},
+            metadata_params={nn.meta.PARTITION_NAME: 'stage'})
+        return Tagged()(x, None)[0]
+    return Model()
+
+  x = jax.random.normal(jax.random.key(1), (2, 3))
+  r = check(build, (x,))
+  _check_names(r, [('stage', 'embed', 'mlp'), ('stage', 'mlp')])
+
+
+def test_partitioned_scan_of_vmap_names():
+  def build(nn):
+    Inner = nn.vmap(_partitioned_block(nn), variable_axes={'params': 0},
+                    split_rngs={'params': True}, in_axes=(0, None),
+                    metadata_params={nn.meta.PARTITION_NAME: 'heads'})
+    Outer = nn.scan(Inner, variable_axes={'params': 0},
+                    split_rngs={'params': True}, length=2,
+                    in_axes=(nn.broadcast,),
+                    metadata_params={nn.meta.PARTITION_NAME: 'layers'})
+
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        return Outer(name='stack')(x, None)
+    return Model()
+
+  x = jax.random.normal(jax.random.key(1), (2, 3))
+  # out: carry (2, 3) is vmapped over heads=2 too
+  r = check(build, (x,))
+  _check_names(r, [('layers', 'heads', 'embed', 'mlp'),
+                   ('layers', 'heads', 'mlp')])
