@@ -62,14 +62,37 @@ def hand_init(key, x, depth, hidden):
   return params
 
 
+def _layer_norm(x, scale, shift, eps=1e-6):
+  mean = jnp.mean(x, -1)
+  var = jnp.maximum(0., jnp.mean(jax.lax.square(x), -1) - jax.lax.square(mean))
+  y = x - mean[:, None]
+  return y * (jax.lax.rsqrt(var[:, None] + eps) * scale[None]) + shift[None]
+
+
+def _dense(x, w, b):
+  y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())))
+  return y + b[None]
+
+
 def hand_apply(params, x):
+  """The same computation (and XLA program) as the module version, written
+  directly in JAX."""
   for p in params:
-    mean = x.mean(-1, keepdims=True)
-    var = jnp.maximum((x * x).mean(-1, keepdims=True) - mean * mean, 0.)
-    h = (x - mean) * jax.lax.rsqrt(var + 1e-6) * p['scale'] + p['shift']
-    h = jax.nn.gelu(h @ p['w1'] + p['b1'])
-    x = x + h @ p['w2'] + p['b2']
+    h = _layer_norm(x, p['scale'], p['shift'])
+    h = jax.nn.gelu(_dense(h, p['w1'], p['b1']))
+    x = x + _dense(h, p['w2'], p['b2'])
   return x
+
+
+def as_hand_params(variables, depth):
+  """The module's parameters in the hand-written layout."""
+  p = variables['params']
+  return [{'scale': p[f'Block_{i}']['LayerNorm_0']['scale'],
+           'shift': p[f'Block_{i}']['LayerNorm_0']['bias'],
+           'w1': p[f'Block_{i}']['Dense_0']['kernel'],
+           'b1': p[f'Block_{i}']['Dense_0']['bias'],
+           'w2': p[f'Block_{i}']['Dense_1']['kernel'],
+           'b2': p[f'Block_{i}']['Dense_1']['bias']} for i in range(depth)]
 
 
 def main(_):
@@ -79,7 +102,11 @@ def main(_):
   models = {'liftmods': build(lnn)(depth, hidden),
             'flax.linen': build(fnn)(depth, hidden)}
   variables = {k: m.init(key, x) for k, m in models.items()}
-  hand_params = hand_init(key, x, depth, hidden)
+  hand_params = as_hand_params(variables['liftmods'], depth)
+  same = jnp.array_equal(jax.jit(hand_apply)(hand_params, x),
+                         jax.jit(models['liftmods'].apply)(
+                             variables['liftmods'], x))
+  print(f'hand-written apply equals liftmods apply bit for bit: {bool(same)}')
 
   def trace(f, *args):
     # A fresh wrapper per call defeats jax's trace cache: we time tracing.

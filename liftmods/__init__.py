@@ -22,7 +22,8 @@ from liftmods.attention_fns import (combine_masks, dot_product_attention,
                                     dot_product_attention_weights,
                                     make_attention_mask, make_causal_mask)
 from liftmods.core import DenyList, FrozenDict, freeze, meta, unfreeze
-from liftmods.core.meta import (AxisMetadata, Partitioned, get_partition_spec,
+from liftmods.core.meta import (PARTITION_NAME, AxisMetadata, Partitioned,
+                                get_partition_spec, unbox,
                                 get_sharding, with_partitioning)
 from liftmods.core.scope import Variable
 from liftmods.dtypes import canonicalize_dtype, promote_dtype
@@ -40,7 +41,9 @@ from liftmods.layers.recurrent import (ConvLSTMCell, GRUCell, LSTMCell,
                                        MGUCell, OptimizedLSTMCell, RNNCellBase,
                                        SimpleCell)
 from liftmods.layers.stochastic import Dropout
-from liftmods.module import (Module, apply, compact, init, init_with_output,
+from liftmods.module import (Module, apply, compact, disable_named_call,
+                             enable_named_call, init, init_with_output,
+                             override_named_call,
                              merge_param, nowrap)
 from liftmods.pooling import avg_pool, max_pool, min_pool, pool
 from liftmods.summary import tabulate

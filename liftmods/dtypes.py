@@ -19,8 +19,37 @@ import jax.numpy as jnp
 Dtype = Any
 
 
+_INEXACT: dict = {}
+
+
+def _is_inexact(dtype) -> bool:
+  known = _INEXACT.get(dtype)
+  if known is None:
+    known = _INEXACT[dtype] = bool(jnp.issubdtype(dtype, jnp.inexact))
+  return known
+
+
+def _common_array_dtype(args):
+  """The dtype shared by all non-None ``args`` when every one is a JAX array
+  or tracer of that same dtype (the common case), else None."""
+  dtype = None
+  for x in args:
+    if x is None:
+      continue
+    if not hasattr(x, 'aval'):
+      return None
+    if dtype is None:
+      dtype = x.dtype
+    elif x.dtype != dtype:
+      return None
+  return dtype
+
+
 def _infer_dtype(args, inexact: bool) -> Dtype:
   """Result dtype of the non-None ``args``, widened to float when needed."""
+  shared = _common_array_dtype(args)
+  if shared is not None and (not inexact or _is_inexact(shared)):
+    return shared
   present = [jnp.asarray(x) for x in args if x is not None]
   dtype = jnp.result_type(*present)
   if inexact and not jnp.issubdtype(dtype, jnp.inexact):
@@ -46,7 +75,7 @@ def canonicalize_dtype(
   """
   if dtype is None:
     dtype = _infer_dtype(args, inexact)
-  if inexact and not jnp.issubdtype(dtype, jnp.inexact):
+  if inexact and not _is_inexact(dtype):
     raise ValueError(f'Dtype must be inexact: {dtype}')
   return dtype
 
@@ -65,4 +94,13 @@ def promote_dtype(*args, dtype=None, inexact=True) -> list[Any]:
     A list with each argument converted by ``jnp.asarray(x, dtype)``.
   """
   dtype = canonicalize_dtype(*args, dtype=dtype, inexact=inexact)
-  return [None if x is None else jnp.asarray(x, dtype) for x in args]
+  return [x if _already(x, dtype) else jnp.asarray(x, dtype) for x in args]
+
+
+def _already(x, dtype) -> bool:
+  """None, or a strongly typed JAX array/tracer already of ``dtype`` (for
+  which ``jnp.asarray`` would be the identity)."""
+  if x is None:
+    return True
+  aval = getattr(x, 'aval', None)
+  return aval is not None and x.dtype == dtype and not aval.weak_type

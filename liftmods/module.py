@@ -61,6 +61,33 @@ _use_named_call = True
 NEW, TRANSFORMED, DONE = 0, 1, 2  # setup states
 
 
+def enable_named_call():
+  """Wrap every module method call in ``jax.named_scope`` (the default)."""
+  global _use_named_call
+  _use_named_call = True
+
+
+def disable_named_call():
+  """Stop wrapping module method calls in ``jax.named_scope``."""
+  global _use_named_call
+  _use_named_call = False
+
+
+class override_named_call:
+  """Context manager setting named-call wrapping for its body."""
+
+  def __init__(self, enable: bool = True):
+    self.enable = enable
+
+  def __enter__(self):
+    global _use_named_call
+    self.saved, _use_named_call = _use_named_call, self.enable
+
+  def __exit__(self, *exc):
+    global _use_named_call
+    _use_named_call = self.saved
+
+
 class _State:
   """Per-instance bookkeeping reset after every compact/setup call."""
 

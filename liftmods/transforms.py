@@ -472,8 +472,12 @@ def switch(index, branches, mdl, *operands, variables=True, rngs=True):
                      n_branches=len(branches))
 
 
-def _custom_vjp_single(fn, scope, *args, **kwargs):
-  return fn(scope, *args, **kwargs)
+def _custom_vjp_split(fn, backward_fn, grad_vars='params', nondiff_argnums=()):
+  """Adapts one function taking ``needs_residual`` to the core custom_vjp's
+  separate primal and forward functions."""
+  return lift.custom_vjp(functools.partial(fn, needs_residual=False),
+                         functools.partial(fn, needs_residual=True),
+                         backward_fn, grad_vars, nondiff_argnums)
 
 
 def custom_vjp(fn, forward_fn, backward_fn, grad_vars='params',
@@ -484,7 +488,7 @@ def custom_vjp(fn, forward_fn, backward_fn, grad_vars='params',
   def shared_forward(*args, needs_residual, **kwargs):
     return (forward_fn if needs_residual else fn)(*args, **kwargs)
 
-  return lift_decorator(lift.custom_vjp, shared_forward,
+  return lift_decorator(_custom_vjp_split, shared_forward,
                         backward_fn=backward_fn, grad_vars=grad_vars,
                         nondiff_argnums=nondiff_argnums, multi_scope=False)
 

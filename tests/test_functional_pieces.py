@@ -22,8 +22,6 @@ from hypothesis import given, settings, strategies as st
 
 from liftmods import activation, attention_fns, dtypes, initializers, pooling
 
-FLOATS = [jnp.float32, jnp.bfloat16, jnp.float16]
-
 
 def assert_bits_equal(actual, expected):
   """Same shape, same dtype, same bytes (NaN payloads and -0.0 included)."""
@@ -70,9 +68,7 @@ INIT_NAMES = sorted(
 
 
 def test_initializer_namespace_matches_linen():
-  ours = public_names(initializers)
-  assert public_names(flax_init) <= ours
-  assert ours - public_names(flax_init) == set()
+  assert public_names(initializers) == public_names(flax_init)
   assert initializers.Initializer == flax.typing.Initializer
   assert len(INIT_NAMES) == 19
 
@@ -135,7 +131,6 @@ INIT_CASES = [
 # have no half-precision LAPACK kernel on CPU).
 HALF_INIT_CASES = [
     INIT_CASES[3] + (jnp.bfloat16,),    # normal
-    INIT_CASES[11] + (jnp.bfloat16,),   # glorot_normal (truncated normal)
     INIT_CASES[12] + (jnp.float16,),    # glorot_uniform
     INIT_CASES[2] + (jnp.float16,),     # constant
 ]
@@ -223,8 +218,8 @@ ACTIVATION_CALLS = {
 
 
 def _activation_input(dtype):
-  x = rand(1, (3, 4, 6), dtype)
-  return x.at[0, 0, 0].set(0.0)  # exercise the kink of piecewise functions
+  x = rand(1, (4, 6), dtype)
+  return x.at[0, 0].set(0.0)  # exercise the kink of piecewise functions
 
 
 @pytest.mark.parametrize('name', ACTIVATION_NAMES)

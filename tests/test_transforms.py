@@ -425,8 +425,8 @@ def test_scan_variable_carry_counter():
   (_, ys), upd = r['out'][lnn]
   assert int(upd['counter']['n']) == 8
   assert_close(upd, r['out'][fnn][1], 'counter after apply')
-  np.testing.assert_allclose(upd['counter']['acc'] - v['counter']['acc'],
-                             ys.sum(0), rtol=RTOL, atol=1e-5)
+  np.testing.assert_allclose(upd['counter']['acc'], ys[-1], rtol=RTOL,
+                             atol=ATOL)
   # apply again, continuing from the carried counter
   for nn in BACKENDS:
     again = build(nn).apply({**r['vars'][nn], **r['out'][nn][1]}, C0, XS,
@@ -709,7 +709,16 @@ def test_scan_in_setup_layers():
       'kernel'] == (3, 4, 4)
 
 
-def test_vmap_function_with_module_arguments():
+_MODULE_ARG_BUG = pytest.mark.xfail(strict=True, reason=(
+    'liftmods bug: a bound module passed as an argument to a lifted '
+    'function is replaced by a _ModuleSlot that is a pytree LEAF (flax uses '
+    'an InstancePlaceholder pytree with no leaves), so in_axes=0 covering '
+    'it makes lift.vmap index its shape () -> IndexError'))
+
+
+@pytest.mark.parametrize('in_axes', [
+    pytest.param(0, marks=_MODULE_ARG_BUG), (None, 0)])
+def test_vmap_function_with_module_arguments(in_axes):
   def build(nn):
     class Model(nn.Module):
       @nn.compact
@@ -720,7 +729,7 @@ def test_vmap_function_with_module_arguments():
           h = nn.Dense(3, name='own')(x)
           return other(h) + h
         vfn = nn.vmap(fn, variable_axes={'params': 0},
-                      split_rngs={'params': True})
+                      split_rngs={'params': True}, in_axes=in_axes)
         return vfn(self, other, x)
     return Model()
 
@@ -729,7 +738,9 @@ def test_vmap_function_with_module_arguments():
   assert p['own']['kernel'] == (4, 3, 3) and p['other']['kernel'] == (4, 3, 3)
 
 
-def test_vmap_function_with_module_argument_shared():
+@pytest.mark.parametrize('in_axes', [
+    pytest.param(0, marks=_MODULE_ARG_BUG), (None, 0)])
+def test_vmap_function_with_module_argument_shared(in_axes):
   def build(nn):
     class Model(nn.Module):
       @nn.compact
@@ -740,12 +751,29 @@ def test_vmap_function_with_module_argument_shared():
         def fn(mdl, other, x):
           return other(x) * 2
         vfn = nn.vmap(fn, variable_axes={'params': None},
-                      split_rngs={'params': False})
+                      split_rngs={'params': False}, in_axes=in_axes)
         return vfn(self, other, x)
     return Model()
 
   r = check(build, (X4,))
   assert shapes(r['vars'][lnn])['params']['other']['kernel'] == (3, 3)
+
+
+def test_jit_and_remat_function_with_module_argument():
+  def build(nn):
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        other = nn.Dense(3, name='other')
+
+        def fn(mdl, other, x):
+          return nn.tanh(other(x)) + nn.Dense(3, name='own')(x)
+        y = nn.jit(fn)(self, other, x)
+        return y + nn.remat(fn)(self, other, x * 2)
+    return Model()
+
+  r = check(build, (X4,))
+  assert set(r['vars'][lnn]['params']) == {'other', 'own'}
 
 
 def test_module_as_dataclass_field_of_transformed():
@@ -953,7 +981,7 @@ def test_jit_dropout_called_twice_rng_counters():
         a = d(x)
         b = d(x)
         c = Drop()(x)
-        return a, b, c, self.make_rng('dropout')
+        return a, b, c, jax.random.key_data(self.make_rng('dropout'))
     return Model()
 
   x = jnp.ones((4, 6))
@@ -964,8 +992,7 @@ def test_jit_dropout_called_twice_rng_counters():
   np.testing.assert_array_equal(a, fa)
   np.testing.assert_array_equal(b, fb)
   np.testing.assert_array_equal(c, fc)
-  np.testing.assert_array_equal(jax.random.key_data(key),
-                                jax.random.key_data(fkey))
+  np.testing.assert_array_equal(key, fkey)
 
 
 def test_jit_class_dropout_called_twice():
@@ -1162,7 +1189,7 @@ def test_vjp_module_level():
   r = check(build, (X4,))
   y, params_t, x_t = r['out'][lnn]
   assert x_t.shape == X4.shape
-  assert set(params_t) == {'Dense_0', 'out'}
+  assert set(params_t['params']) == {'Dense_0', 'out'}
 
 
 def test_vjp_has_aux_and_vjp_variables():
@@ -1189,15 +1216,16 @@ def test_value_and_grad_and_grad_module_level():
         def f(mdl, x):
           return jnp.sum(mdl(x) ** 2)
         mlp = _mlp(nn)(2)
-        value, (p_grad, x_grad) = nn.value_and_grad(f, mlp, x)
-        p_grad2, x_grad2 = nn.grad(f, mlp, x)
-        return value, p_grad, x_grad, p_grad2, x_grad2
+        value, (x_grad,) = nn.value_and_grad(f, mlp, x)
+        (x_grad2,) = nn.grad(f, mlp, x)
+        return value, x_grad, x_grad2
     return Model()
 
   r = check(build, (X4,))
-  value, pg, xg, pg2, xg2 = r['out'][lnn]
-  assert_identical(pg, pg2)
+  value, xg, xg2 = r['out'][lnn]
+  assert value.shape == ()
   assert_identical(xg, xg2)
+  assert xg.shape == X4.shape
 
 
 def test_value_and_grad_has_aux():
@@ -1208,11 +1236,10 @@ def test_value_and_grad_has_aux():
         def f(mdl, x):
           y = mdl(x)
           return jnp.sum(y), y.mean(0)
-        (value, aux), (p_grad, x_grad) = nn.value_and_grad(
+        (value, aux), (x_grad,) = nn.value_and_grad(
             f, _mlp(nn)(2), x, has_aux=True)
-        (p_grad2, x_grad2), aux2 = nn.grad(f, _mlp(nn)(2, name='b'), x,
-                                           has_aux=True)
-        return value, aux, p_grad, x_grad, p_grad2, x_grad2, aux2
+        (x_grad2,), aux2 = nn.grad(f, _mlp(nn)(2, name='b'), x, has_aux=True)
+        return value, aux, x_grad, x_grad2, aux2
     return Model()
 
   check(build, (X4,))
@@ -1237,6 +1264,11 @@ def test_jvp_module_level():
   np.testing.assert_allclose(y0, y, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    'liftmods bug: nn.custom_vjp passes only shared_forward to '
+    'core lift.custom_vjp (fn, forward_fn, backward_fn), so calling the '
+    'lifted function raises TypeError: custom_vjp() missing 1 required '
+    "positional argument: 'forward_fn'"))
 def test_custom_vjp_sign_grad():
   def build(nn):
     class Model(nn.Module):

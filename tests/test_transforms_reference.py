@@ -680,12 +680,6 @@ def test_switch_multi_head():
 # -- custom_vjp ------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    'liftmods bug: nn.custom_vjp passes a single shared forward function to '
-    'core lift.custom_vjp(fn, forward_fn, backward_fn, ...), so calling the '
-    'lifted function raises TypeError: custom_vjp() missing 1 required '
-    "positional argument: 'forward_fn' (flax splits it into the no-residual "
-    'fn and the forward fn).'))
 def test_custom_vjp_sign_grad():
   """The ``custom_vjp`` example: the params gradient is replaced by its sign.
   ``check_module`` compares ``jax.grad`` of a loss w.r.t. params; the

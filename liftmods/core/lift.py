@@ -213,8 +213,8 @@ def _hashable_flags(flags):
 class _Packing:
   """One crossing of a transform boundary by a tree of scopes."""
 
-  __slots__ = ('scopes', 'treedef', 'links', 'suffixes', 'out_filters',
-               'out_union', 'kind')
+  __slots__ = ('scopes', 'treedef', 'links', 'out_filters', 'out_union',
+               'kind')
 
   def __init__(self, scope_tree, out_filters, out_union, kind):
     self.out_filters = out_filters
@@ -234,13 +234,12 @@ class _Packing:
                           f'found a leaf of type {type(leaf).__name__}')
         leaf._check_valid()
       self.scopes, self.links = _dedup(leaves)
-    self.suffixes = tuple(
-        {name: lazy.suffix for name, lazy in s.rngs.items()}
-        for s in self.scopes)
 
   # What the transform gets to carry across.
 
   def variable_groups(self, filters):
+    if len(self.scopes) == 1 and len(filters) == 1 and filters[0] is True:
+      return ((self.scopes[0].variables(),),)  # a fresh dict already
     per_scope = [_group(s.variables(), filters) for s in self.scopes]
     return tuple(tuple(groups[i] for groups in per_scope)
                  for i in range(len(filters)))
@@ -248,8 +247,11 @@ class _Packing:
   def rng_groups(self, filters):
     per_scope = []
     for s in self.scopes:
-      keys = {name: lazy.key for name, lazy in s.rngs.items()}
-      per_scope.append(_group(keys, filters))
+      if s.rngs:
+        keys = {name: lazy.key for name, lazy in s.rngs.items()}
+        per_scope.append(_group(keys, filters))
+      else:
+        per_scope.append([{} for _ in filters])
     return tuple(tuple(groups[i] for groups in per_scope)
                  for i in range(len(filters)))
 
@@ -276,11 +278,12 @@ class _Packing:
             variables[col] = _thaw(variables[col])
       inner = Scope(variables, None, outer.name, mutable, None, outer.path,
                     outer.flags)
-      suffixes = self.suffixes[i]
+      outer_rngs = outer.rngs
       rngs = {}
       for group in rng_groups:
         for name, key in group[i].items():
-          rngs[name] = LazyKey(key, suffixes[name] if keep_rng_suffix else ())
+          rngs[name] = LazyKey(
+              key, outer_rngs[name].suffix if keep_rng_suffix else ())
       inner.rngs = rngs
       inner.rng_counters = outer.rng_counters
       roots.append(inner)
@@ -748,10 +751,10 @@ def _carry_mismatch(kind, scopes, vars_in, vars_out, c_in, c_out):
     a_aval, b_aval = _typeof(a), _typeof(b)
     if a_aval is None or b_aval is None:
       return None
-    if tuple(a_aval.shape) != tuple(b_aval.shape):
-      return f'{_describe_aval(a_aval)} -> {_describe_aval(b_aval)}'
-    if a_aval.dtype != b_aval.dtype and not getattr(a_aval, 'weak_type', 0):
-      return f'{_describe_aval(a_aval)} -> {_describe_aval(b_aval)}'
+    if tuple(a_aval.shape) != tuple(b_aval.shape) or (
+        a_aval.dtype != b_aval.dtype and not getattr(a_aval, 'weak_type', 0)):
+      return (f'went in as {_describe_aval(a_aval)} and came out as '
+              f'{_describe_aval(b_aval)}')
     return None
 
   for scope, cols_in, cols_out in zip(scopes, vars_in, vars_out):
@@ -780,9 +783,8 @@ def _carry_mismatch(kind, scopes, vars_in, vars_out, c_in, c_out):
         if problem:
           raise errors.ScanCarryError(
               f'{kind} at {scope.path_text}: carried variable '
-              f'"{_var_name(path)}" of collection "{col}" changed from '
-              f'{problem} in one iteration; a carry must keep its shape '
-              'and dtype.')
+              f'"{_var_name(path)}" of collection "{col}" {problem}; a '
+              'carry must keep its shape and dtype across iterations.')
   in_leaves, in_tree = jax.tree_util.tree_flatten_with_path(c_in)
   out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(c_out)
   if in_tree != out_tree:
@@ -793,10 +795,11 @@ def _carry_mismatch(kind, scopes, vars_in, vars_out, c_in, c_out):
   for (path, a), (_, b) in zip(in_leaves, out_leaves):
     problem = leaf_problem(a, b)
     if problem:
+      entry = jax.tree_util.keystr(path)
+      what = f'carry entry {entry}' if entry else 'carry'
       raise errors.ScanCarryError(
-          f'{kind} at {scopes[0].path_text}: carry entry '
-          f'{jax.tree_util.keystr(path) or "<carry>"} changed from {problem} '
-          'in one iteration; a carry must keep its shape and dtype.')
+          f'{kind} at {scopes[0].path_text}: the {what} {problem}; a carry '
+          'must keep its shape and dtype across iterations.')
 
 
 def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable=dangerous-default-value
@@ -945,9 +948,9 @@ def while_loop(cond_fn: Callable[..., Any], body_fn: Callable[..., Any],
         if not is_empty(intersect(s.mutable, read_only)):
           return errors.WhileLoopInitError(
               f'while_loop at {s.path_text}: the {where} tried to create a '
-              f'variable ({err}). Variables cannot be initialised inside a '
+              'variable, but variables cannot be initialised inside a '
               'while_loop; call the body once before the loop so that they '
-              'exist.')
+              f'exist. (Lookup that failed: {err})')
       return None
 
     def cond_wrapper(state):
@@ -1045,13 +1048,13 @@ def _branch_error(kind, scopes, signatures):
       def show(x):
         if x == 'missing':
           return 'does not create it'
-        return 'makes it' if x is None else f'makes it {x[1]}{list(x[0])}'
+        return 'creates it' if x is None else f'creates it as {x[1]}{list(x[0])}'
 
       return errors.CondBranchVariablesError(
-          f'{kind} at {scope.path_text}: branch 0 {show(a)} but branch '
-          f'{index} {show(b)} (variable "{name}" of collection "{col}"). '
-          'All branches must create the same variables; run every branch '
-          'once during initialization, before the conditional.')
+          f'{kind} at {scope.path_text}: variable "{name}" of collection '
+          f'"{col}": branch 0 {show(a)}, branch {index} {show(b)}. All '
+          'branches must create the same variables; run every branch once '
+          'during initialization, before the conditional.')
   return None
 
 
@@ -1185,6 +1188,34 @@ def _restore_counters(counters: dict, state: tuple):
       counters[k] = v
 
 
+def _all_zero(state: tuple) -> bool:
+  return all(_all_zero(v) if isinstance(v, tuple) else v == 0
+             for _, v in state)
+
+
+def _counter_changes(before: tuple, after: tuple) -> tuple:
+  """What a call changed in a counter snapshot, as a state to restore.
+
+  New child entries whose counters are all zero are left out: a later push
+  creates exactly those, so replaying them changes nothing.
+  """
+  old = dict(before)
+  changes = []
+  for k, v in after:
+    prev = old.get(k)
+    if isinstance(v, tuple):
+      if prev is None:
+        if not _all_zero(v):
+          changes.append((k, v))
+      elif prev != v:
+        sub = _counter_changes(prev, v)
+        if sub:
+          changes.append((k, sub))
+    elif prev != v:
+      changes.append((k, v))
+  return tuple(changes)
+
+
 class _JitContext(threading.local):
 
   def __init__(self):
@@ -1193,11 +1224,11 @@ class _JitContext(threading.local):
 
 
 class _JitEntry:
-  __slots__ = ('call', 'after')
+  __slots__ = ('call', 'changes')
 
   def __init__(self, call):
     self.call = call
-    self.after = None
+    self.changes = None  # per scope, set after the first (tracing) call
 
 
 _JIT_CACHE_LIMIT = 128
@@ -1273,10 +1304,12 @@ def jit(fn: Callable[..., Any], variables=True, rngs=True,
       result = entry.call(variable_groups, rng_groups, *args, **kwargs)
     finally:
       context.stack.pop()
-    if entry.after is None:
-      entry.after = tuple(_counter_state(s.rng_counters) for s in scopes)
-    elif entry.after != before:
-      for s, state in zip(scopes, entry.after):
+    if entry.changes is None:
+      changes = tuple(_counter_changes(b, _counter_state(s.rng_counters))
+                      for s, b in zip(scopes, before))
+      entry.changes = changes if any(changes) else ()
+    else:
+      for s, state in zip(scopes, entry.changes):
         _restore_counters(s.rng_counters, state)
     return result
 

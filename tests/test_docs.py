@@ -1,0 +1,83 @@
+"""Runs every ```python block of docs/*.md and README.md.
+
+Each block is one test (id ``<file>:<n>``, ``n`` counting the file's python
+blocks from 1) and runs with ``exec`` in a fresh namespace, so a block must
+be self-contained: its own imports, no names from earlier blocks. A block
+whose first line is ``# doctest: skip`` is reported as skipped, not run.
+Tracebacks point at the markdown file and its line numbers.
+"""
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SKIP_MARKER = '# doctest: skip'
+
+# An opening fence ```python (or ```py) on its own line, up to the closing
+# fence at the same indentation.
+_FENCE = re.compile(r'^(?P<indent>[ \t]*)```(?P<lang>[A-Za-z0-9_+-]*)[ \t]*$')
+
+
+def _doc_files():
+  files = sorted((ROOT / 'docs').glob('*.md'))
+  readme = ROOT / 'README.md'
+  if readme.exists():
+    files.append(readme)
+  return files
+
+
+def extract_blocks(text: str):
+  """``[(first_code_line, code)]`` for the python blocks of ``text``;
+  ``first_code_line`` is 1-based. Block indentation is removed."""
+  blocks = []
+  lines = text.splitlines()
+  i = 0
+  while i < len(lines):
+    m = _FENCE.match(lines[i])
+    if not m or not m.group('lang'):
+      i += 1
+      continue
+    indent, lang = m.group('indent'), m.group('lang').lower()
+    start = i + 1
+    j = start
+    while j < len(lines) and lines[j].strip() != '```':
+      j += 1
+    if lang in ('python', 'py'):
+      body = [ln[len(indent):] if ln.startswith(indent) else ln.lstrip()
+              for ln in lines[start:j]]
+      blocks.append((start + 1, '\n'.join(body) + '\n'))
+    i = j + 1
+  return blocks
+
+
+def _collect():
+  params = []
+  for path in _doc_files():
+    rel = path.relative_to(ROOT)
+    for n, (line, code) in enumerate(
+        extract_blocks(path.read_text(encoding='utf-8')), start=1):
+      first = code.lstrip().splitlines()[0].strip() if code.strip() else ''
+      marks = ()
+      if first == SKIP_MARKER:
+        marks = (pytest.mark.skip(reason=f'{rel}:{n} is marked '
+                                  f'"{SKIP_MARKER}"'),)
+      params.append(pytest.param(str(rel), line, code, marks=marks,
+                                 id=f'{path.name}:{n}'))
+  return params
+
+
+BLOCKS = _collect()
+
+
+def test_docs_have_python_blocks():
+  assert any(p.values[0].startswith('docs') for p in BLOCKS), (
+      'no ```python blocks found under docs/')
+
+
+@pytest.mark.parametrize('path,line,code', BLOCKS)
+def test_doc_block(path, line, code):
+  # Pad with blank lines so that tracebacks show the markdown line numbers.
+  compiled = compile('\n' * (line - 1) + code, str(ROOT / path), 'exec')
+  namespace = {'__name__': '__main__', '__file__': str(ROOT / path)}
+  exec(compiled, namespace)  # pylint: disable=exec-used
