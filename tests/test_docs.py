@@ -14,8 +14,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SKIP_MARKER = '# doctest: skip'
 
-# An opening fence ```python (or ```py) on its own line, up to the closing
-# fence at the same indentation.
+# A fence line: ``` plus an optional language. Blocks run from an opening
+# fence to the next bare ``` line; only python/py blocks are collected.
 _FENCE = re.compile(r'^(?P<indent>[ \t]*)```(?P<lang>[A-Za-z0-9_+-]*)[ \t]*$')
 
 
@@ -35,7 +35,7 @@ def extract_blocks(text: str):
   i = 0
   while i < len(lines):
     m = _FENCE.match(lines[i])
-    if not m or not m.group('lang'):
+    if not m:  # outside any block, every fence opens one
       i += 1
       continue
     indent, lang = m.group('indent'), m.group('lang').lower()

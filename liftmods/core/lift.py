@@ -669,7 +669,8 @@ def _from_front(axis, ys):
 
 
 def _scan_with_broadcast(body, in_axes, out_axes, length, reverse, unroll,
-                         split_transpose, check_invariants, explain):
+                         split_transpose, check_invariants, explain,
+                         writes_broadcast=True):
   """``lax.scan`` with vmap-style axes plus loop-invariant outputs.
 
   ``body(broadcast_in, carry, *xs) -> (broadcast_out, carry, ys)``. Inputs
@@ -679,7 +680,14 @@ def _scan_with_broadcast(body, in_axes, out_axes, length, reverse, unroll,
   outside the loop with the carry and the scanned inputs abstract; the loop
   then runs with it as ``broadcast_in``. Anything of ``broadcast_out`` that
   depends on the abstract part is an error, described by ``explain(path)``.
+  When nothing broadcast can be written (``writes_broadcast`` False and no
+  ``broadcast`` out axis) that extra trace can be skipped so the body is
+  traced once. Callers pass ``writes_broadcast=True`` whenever rngs cross
+  the loop: the extra trace advances rng counters, and Linen's keys depend
+  on that.
   """
+  out_broadcast = any(axis is broadcast for axis in jax.tree_util.tree_leaves(
+      out_axes, is_leaf=lambda x: x is broadcast))
 
   def run(broadcast_in, init, *args):
     xs = jax.tree_util.tree_map(_to_front, in_axes, args)
@@ -690,7 +698,7 @@ def _scan_with_broadcast(body, in_axes, out_axes, length, reverse, unroll,
           args, x_slice)
 
     consts_out = None
-    if check_invariants:
+    if check_invariants and (writes_broadcast or out_broadcast):
       in_avals = (jax.tree_util.tree_map(lambda x: _abstract(x, False), init),
                   jax.tree_util.tree_map(lambda x: _abstract(x, True), xs))
       flat_avals, in_tree = jax.tree_util.tree_flatten(in_avals)
@@ -721,8 +729,7 @@ def _scan_with_broadcast(body, in_axes, out_axes, length, reverse, unroll,
         raise errors.BroadcastVariableError(explain(paths[dependent[0]]))
       broadcast_in, consts_out = jax.tree_util.tree_unflatten(
           out_tree, [pval.get_known() for pval in out_pvals])
-    elif any(axis is broadcast for axis in jax.tree_util.tree_leaves(
-        out_axes, is_leaf=lambda x: x is broadcast)):
+    elif out_broadcast and not check_invariants:
       raise ValueError('scan with check_constancy_invariants=False cannot '
                        'return outputs with out_axes=broadcast.')
 
@@ -742,6 +749,10 @@ def _scan_with_broadcast(body, in_axes, out_axes, length, reverse, unroll,
     return broadcast_in, carry, ys
 
   return run
+
+
+def _has_rngs(rng_groups) -> bool:
+  return any(per_scope for group in rng_groups for per_scope in group)
 
 
 def _carry_mismatch(kind, scopes, vars_in, vars_out, c_in, c_out):
@@ -901,7 +912,10 @@ def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable
         body, in_axes=(var_in_axes, rng_axes, in_axes),
         out_axes=(out_axes, var_out_axes), length=length, reverse=reverse,
         unroll=unroll, split_transpose=_split_transpose,
-        check_invariants=check_constancy_invariants, explain=explain)
+        check_invariants=check_constancy_invariants, explain=explain,
+        writes_broadcast=_has_rngs(rng_groups) or any(
+            not is_empty(intersect(s.mutable, variable_broadcast))
+            for s in scopes))
     broadcast_vars, (carry_vars, c), (ys, scan_out) = looped(
         broadcast_vars, (carry_vars, init), scan_vars, rng_groups, args)
     scan_out = tuple(meta.add_axis(group, axis, metadata_params)
