@@ -712,8 +712,9 @@ def test_scan_in_setup_layers():
 _MODULE_ARG_BUG = pytest.mark.xfail(strict=True, reason=(
     'liftmods bug: a bound module passed as an argument to a lifted '
     'function is replaced by a _ModuleSlot that is a pytree LEAF (flax uses '
-    'an InstancePlaceholder pytree with no leaves), so in_axes=0 covering '
-    'it makes lift.vmap index its shape () -> IndexError'))
+    'an InstancePlaceholder pytree with no leaves): vmap with in_axes=0 '
+    'covering it raises IndexError (lift.vmap note_size indexes shape ()), '
+    'jit/remat pass it to jax.jit/jax.checkpoint as an array -> TypeError'))
 
 
 @pytest.mark.parametrize('in_axes', [
@@ -760,12 +761,8 @@ def test_vmap_function_with_module_argument_shared(in_axes):
 
 
 @pytest.mark.parametrize('which', [
-    pytest.param('jit', marks=pytest.mark.xfail(strict=True, reason=(
-        'liftmods bug: nn.jit(fn)(self, other_module, x) passes the '
-        '_ModuleSlot standing for other_module to jax.jit as a traced '
-        'argument -> TypeError "Error interpreting argument ... as an '
-        'abstract array"'))),
-    'remat', 'checkpoint'])
+    pytest.param(w, marks=_MODULE_ARG_BUG) for w in ('jit', 'remat',
+                                                     'checkpoint')])
 def test_function_with_module_argument(which):
   def build(nn):
     class Model(nn.Module):

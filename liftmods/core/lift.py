@@ -668,9 +668,67 @@ def _from_front(axis, ys):
   return jax.tree_util.tree_map(lambda y: jax.numpy.moveaxis(y, 0, axis), ys)
 
 
+class _ReplayMismatch(Exception):
+  pass
+
+
+class _RngReplay:
+  """Replays the rng-counter effect of a scan's invariant trace.
+
+  Linen traces a scan body twice, and the keys of the second (loop) trace
+  depend on the counters the first one advanced. When the same site was
+  traced before from the same counter state and nothing else needs the first
+  trace, the counters jump to the recorded post-first-trace state and the
+  body is traced once; the loop trace then checks that it advanced the
+  counters exactly as recorded, or aborts (before the scan is emitted) so
+  that the caller falls back to two traces.
+  """
+
+  _cache: dict = {}
+  _LIMIT = 512
+
+  def __init__(self, scopes, site):
+    self.scopes = scopes
+    self.before = self.state()
+    self.key = (site, self.before)
+    self.hit = self._cache.get(self.key)
+
+  def state(self):
+    return tuple(_counter_state(s.rng_counters) for s in self.scopes)
+
+  def set(self, state):
+    for scope, counters in zip(self.scopes, state):
+      _set_counters(scope.rng_counters, counters)
+
+  def record(self, after_first, after_loop):
+    if len(self._cache) >= self._LIMIT:
+      self._cache.pop(next(iter(self._cache)))
+    self._cache[self.key] = (after_first, after_loop)
+
+  def verify(self):
+    if self.state() != self.hit[1]:
+      raise _ReplayMismatch
+
+
+def _set_counters(counters: dict, state: tuple):
+  """Makes ``counters`` equal ``state`` in place (nested dicts kept)."""
+  keep = set()
+  for k, v in state:
+    keep.add(k)
+    if isinstance(v, tuple):
+      sub = counters.get(k)
+      if not isinstance(sub, dict):
+        sub = counters[k] = {}
+      _set_counters(sub, v)
+    else:
+      counters[k] = v
+  for k in [k for k in counters if k not in keep]:
+    del counters[k]
+
+
 def _scan_with_broadcast(body, in_axes, out_axes, length, reverse, unroll,
                          split_transpose, check_invariants, explain,
-                         writes_broadcast=True):
+                         writes_broadcast=True, rng_replay=None):
   """``lax.scan`` with vmap-style axes plus loop-invariant outputs.
 
   ``body(broadcast_in, carry, *xs) -> (broadcast_out, carry, ys)``. Inputs
@@ -684,12 +742,27 @@ def _scan_with_broadcast(body, in_axes, out_axes, length, reverse, unroll,
   ``broadcast`` out axis) that extra trace can be skipped so the body is
   traced once. Callers pass ``writes_broadcast=True`` whenever rngs cross
   the loop: the extra trace advances rng counters, and Linen's keys depend
-  on that.
+  on that; ``rng_replay`` (a _RngReplay) then lets a repeated trace of the
+  same site skip it anyway.
   """
   out_broadcast = any(axis is broadcast for axis in jax.tree_util.tree_leaves(
       out_axes, is_leaf=lambda x: x is broadcast))
 
   def run(broadcast_in, init, *args):
+    if rng_replay is not None and rng_replay.hit is not None and not (
+        out_broadcast):
+      rng_replay.set(rng_replay.hit[0])
+      try:
+        return traced(broadcast_in, init, args, False, rng_replay.verify)
+      except _ReplayMismatch:
+        rng_replay.set(rng_replay.before)
+    if rng_replay is None:
+      return traced(broadcast_in, init, args, True, None)
+    out = traced(broadcast_in, init, args, True, None)
+    rng_replay.record(*out[3])
+    return out[:3]
+
+  def traced(broadcast_in, init, args, invariants, verify):
     xs = jax.tree_util.tree_map(_to_front, in_axes, args)
 
     def full_inputs(x_slice):
@@ -698,7 +771,7 @@ def _scan_with_broadcast(body, in_axes, out_axes, length, reverse, unroll,
           args, x_slice)
 
     consts_out = None
-    if check_invariants and (writes_broadcast or out_broadcast):
+    if invariants and check_invariants and (writes_broadcast or out_broadcast):
       in_avals = (jax.tree_util.tree_map(lambda x: _abstract(x, False), init),
                   jax.tree_util.tree_map(lambda x: _abstract(x, True), xs))
       flat_avals, in_tree = jax.tree_util.tree_flatten(in_avals)
@@ -732,9 +805,12 @@ def _scan_with_broadcast(body, in_axes, out_axes, length, reverse, unroll,
     elif out_broadcast and not check_invariants:
       raise ValueError('scan with check_constancy_invariants=False cannot '
                        'return outputs with out_axes=broadcast.')
+    after_first = rng_replay.state() if rng_replay is not None else None
 
     def loop_body(carry, x_slice):
       _, carry, ys = body(broadcast_in, carry, *full_inputs(x_slice))
+      if verify is not None:
+        verify()
       ys = jax.tree_util.tree_map(
           lambda axis, y: () if axis is broadcast else y, out_axes, ys)
       return carry, ys
@@ -746,6 +822,8 @@ def _scan_with_broadcast(body, in_axes, out_axes, length, reverse, unroll,
       ys = jax.tree_util.tree_map(
           lambda axis, const, y: const if axis is broadcast else y, out_axes,
           consts_out, ys)
+    if rng_replay is not None and verify is None:
+      return broadcast_in, carry, ys, (after_first, rng_replay.state())
     return broadcast_in, carry, ys
 
   return run
@@ -908,14 +986,22 @@ def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable
               f'{jax.tree_util.keystr(path[1:])} has out_axes=broadcast but '
               'depends on the loop.')
 
+    mutable_broadcast = any(
+        not is_empty(intersect(s.mutable, variable_broadcast)) for s in scopes)
+    has_rngs = _has_rngs(rng_groups)
+    replay = None
+    if has_rngs and not mutable_broadcast:
+      site = (getattr(fn, '__code__', None), tuple(s.path for s in scopes),
+              _hashable_flags(scopes[0].flags), jax.tree_util.tree_structure(
+                  (args, init)))
+      replay = _RngReplay(scopes, site)
     looped = _scan_with_broadcast(
         body, in_axes=(var_in_axes, rng_axes, in_axes),
         out_axes=(out_axes, var_out_axes), length=length, reverse=reverse,
         unroll=unroll, split_transpose=_split_transpose,
         check_invariants=check_constancy_invariants, explain=explain,
-        writes_broadcast=_has_rngs(rng_groups) or any(
-            not is_empty(intersect(s.mutable, variable_broadcast))
-            for s in scopes))
+        writes_broadcast=mutable_broadcast or has_rngs,
+        rng_replay=replay)
     broadcast_vars, (carry_vars, c), (ys, scan_out) = looped(
         broadcast_vars, (carry_vars, init), scan_vars, rng_groups, args)
     scan_out = tuple(meta.add_axis(group, axis, metadata_params)
