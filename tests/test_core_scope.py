@@ -974,3 +974,26 @@ class TestErrors:
     with pytest.raises(errors.InvalidScopeError) as info:
       captured['s'].push('x')
     assert '"kept"' in str(info.value)
+
+
+def test_param_shape_check_follows_rebound_globals():
+  """A user initializer reading a module global is re-keyed on the global's
+  current value, so rebinding it is never served a stale shape."""
+  import liftmods as nn
+  namespace = {'jnp': jnp, 'WIDTH': 3}
+  exec('def init(key, shape):\n  return jnp.zeros((WIDTH,))', namespace)
+  init_fn = namespace['init']
+
+  class M(nn.Module):
+
+    @nn.compact
+    def __call__(self):
+      return self.param('w', init_fn, ())
+
+  v3 = M().init(jax.random.key(0))
+  M().apply(v3)
+  namespace['WIDTH'] = 5
+  v5 = M().init(jax.random.key(0))
+  M().apply(v5)
+  with pytest.raises(errors.ScopeParamShapeError, match=r'\(3,\).*\(5,\)'):
+    M().apply(v3)

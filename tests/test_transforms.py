@@ -143,27 +143,37 @@ def check(build, init_args, apply_cases=None, *, mutable=False,
   if perturbed and 'params' in variables[fnn]:
     tags.append(('perturbed', {nn: perturb(v) for nn, v in variables.items()}))
   for ci, case in enumerate(apply_cases):
-    for tag, vs in tags:
-      outs = {nn: mods[nn].apply(vs[nn], *case, mutable=mutable,
+
+    def run(vs, nn, case=case):
+      """Output and param gradients; jitted once per backend and case (the
+      case is closed over so that Python scalars in it stay concrete)."""
+      def apply(params):
+        v = dict(vs)
+        if params is not None:
+          v['params'] = params
+        return mods[nn].apply(v, *case, mutable=mutable, rngs=apply_rngs,
+                              **apply_kwargs)
+      out = apply(None)
+      if not grads or 'params' not in vs:
+        return out, None
+
+      def loss(params):
+        y = apply(params)
+        return scalar_loss(y[0] if mutable else y)
+      return out, jax.grad(loss)(vs['params'])
+
+    runs = {nn: jax.jit(functools.partial(run, nn=nn)) for nn in BACKENDS}
+    if ci == 0:
+      # one eager (un-jitted) apply, as user code would run it
+      outs = {nn: mods[nn].apply(variables[nn], *case, mutable=mutable,
                                  rngs=apply_rngs, **apply_kwargs)
               for nn in BACKENDS}
-      assert_close(outs[lnn], outs[fnn], f'apply output ({tag}, case {ci})')
-      if ci == 0 and tag == 'init':
-        result['out'] = outs
-      if not grads or 'params' not in vs[fnn]:
-        continue
-
-      def loss(params, nn, vs=vs, case=case):
-        v = dict(vs[nn])
-        v['params'] = params
-        out = mods[nn].apply(v, *case, mutable=mutable, rngs=apply_rngs,
-                             **apply_kwargs)
-        if mutable:
-          out = out[0]
-        return scalar_loss(out)
-
-      g = {nn: jax.grad(loss)(vs[nn]['params'], nn) for nn in BACKENDS}
-      assert_close(g[lnn], g[fnn], f'param grads ({tag}, case {ci})')
+      assert_close(outs[lnn], outs[fnn], 'eager apply output (init)')
+      result['out'] = outs
+    for tag, vs in tags:
+      res = {nn: runs[nn](vs[nn]) for nn in BACKENDS}
+      assert_close(res[lnn][0], res[fnn][0], f'apply output ({tag}, case {ci})')
+      assert_close(res[lnn][1], res[fnn][1], f'param grads ({tag}, case {ci})')
   return result
 
 

@@ -787,7 +787,7 @@ def _scan_with_broadcast(body, in_axes, out_axes, length, reverse, unroll,
         return flat_out
 
       debug = jax.api_util.debug_info('liftmods scan (loop invariants)',
-                                      body, (broadcast_in, init) + args, {})
+                                      invariant_part, tuple(flat_avals), {})
       _, out_pvals, _ = pe.trace_to_jaxpr_nounits(
           lu.wrap_init(invariant_part, debug_info=debug),
           [pe.PartialVal.unknown(a) for a in flat_avals])

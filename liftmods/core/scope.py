@@ -20,6 +20,7 @@ may be written, so the caller's dict is never mutated).
 (2, 4)
 """
 import functools
+import types
 import weakref
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -386,6 +387,42 @@ def _fn_key(fn):
   return (code, cells, _value_key(fn.__defaults__ or ()))
 
 
+_LIBRARIES = frozenset(('jax', 'jaxlib', 'numpy', 'liftmods', 'flax',
+                        'ml_dtypes', 'optax', 'functools', 'math'))
+
+
+def _globals_key(fn, seen=None) -> tuple:
+  """The current values of the globals a user-defined initializer reads
+  (library functions are taken as fixed). Recomputed on every check, so a
+  rebound global is never served a stale shape."""
+  if isinstance(fn, functools.partial):
+    return _globals_key(fn.func, seen)
+  module = getattr(fn, '__module__', None) or ''
+  code = getattr(fn, '__code__', None)
+  if code is None or module.partition('.')[0] in _LIBRARIES:
+    return ()
+  seen = set() if seen is None else seen
+  if id(code) in seen:
+    return ()
+  seen.add(id(code))
+  out = []
+  namespace = fn.__globals__
+  for name in code.co_names:
+    if name not in namespace:
+      continue
+    value = namespace[name]
+    if isinstance(value, types.ModuleType):
+      continue
+    if callable(value) and hasattr(value, '__code__'):
+      out.append((name, value, _globals_key(value, seen)))
+    else:
+      out.append((name, _value_key(value)))
+  for cell in fn.__closure__ or ():
+    if callable(cell.cell_contents):
+      out.append(_globals_key(cell.cell_contents, seen))
+  return tuple(out)
+
+
 _FN_KEYS: 'weakref.WeakKeyDictionary' = weakref.WeakKeyDictionary()
 
 
@@ -403,7 +440,8 @@ def _cached_fn_key(fn):
 
 def _expected_shapes(init_fn, init_args, init_kwargs):
   try:
-    key = (_cached_fn_key(init_fn), _value_key(init_args),
+    key = (_cached_fn_key(init_fn), _globals_key(init_fn),
+           _value_key(init_args),
            tuple(sorted((k, _value_key(v)) for k, v in init_kwargs.items())))
     hit = _SHAPE_CACHE.get(key)
     if hit is not None:
