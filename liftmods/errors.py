@@ -297,3 +297,14 @@ class VariableAxisError(LiftError):
 
 class WhileLoopInitError(LiftError):
   """Variables are initialised inside a lifted while_loop."""
+
+
+class PartitioningUnspecifiedError(LiftError):
+  """A Partitioned variable crosses vmap/scan without a partition name."""
+
+  def __init__(self, names):
+    super().__init__(
+        f'A Partitioned variable with names {names} went through a transform '
+        'that adds an axis, but metadata_params has no "partition_name". '
+        'Pass metadata_params={"partition_name": "layers"} (or None for an '
+        'unsharded axis).')

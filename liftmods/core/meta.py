@@ -110,10 +110,7 @@ class Partitioned(AxisMetadata):
 
   def _axis_name(self, params):
     if PARTITION_NAME not in params:
-      raise errors.LiftError(
-          f'A Partitioned variable {self.names} went through a transform that '
-          f'adds an axis, but metadata_params has no "{PARTITION_NAME}". Pass '
-          f'metadata_params={{"{PARTITION_NAME}": "layers"}} (or None).')
+      raise errors.PartitioningUnspecifiedError(self.names)
     return params[PARTITION_NAME]
 
   def add_axis(self, index, params):
