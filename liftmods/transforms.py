@@ -56,6 +56,16 @@ class _VariableSlot:
     self.key = key
 
 
+for _slot in (_ModuleSlot, _VariableSlot):
+  # Slots are pytrees without leaves, so that JAX transforms pass them
+  # through as structure (never as arrays to map, stage or differentiate).
+  jax.tree_util.register_pytree_node(_slot, lambda x: ((), x),
+                                     lambda aux, _: aux)
+  _slot.__hash__ = lambda self: hash((type(self), self.key))
+  _slot.__eq__ = lambda self, other: (type(self) is type(other) and
+                                      self.key == other.key)
+
+
 def _is_slot(x):
   return isinstance(x, (_ModuleSlot, _VariableSlot))
 
