@@ -24,6 +24,9 @@ flags.DEFINE_integer('deep', 96, 'second depth for the flatness check')
 flags.DEFINE_integer('hidden', 256, 'hidden width H')
 flags.DEFINE_integer('batch', 8, 'batch for trace/dispatch figures')
 flags.DEFINE_integer('repeats', 7, 'timed repetitions per figure')
+flags.DEFINE_integer('dispatch_hidden', 16,
+                     'width for the eager-call figure (small, so that the '
+                     'call measures dispatch rather than compute)')
 flags.DEFINE_integer('mem_depth', 64, 'depth for the memory figures')
 flags.DEFINE_integer('mem_hidden', 64, 'width for the memory figures')
 flags.DEFINE_integer('mem_batch', 2048, 'batch for the memory figures')
@@ -97,9 +100,9 @@ def trace_figures(key):
       m = build(nn)(depth, F.hidden)
       v = m.init(key, x)
       rows_apply[(name, depth)] = common.time_calls(trace(m.apply, v, x),
-                                                    F.repeats)
+                                                    F.repeats, warmup=2)
       rows_init[(name, depth)] = common.time_calls(trace(m.init, key, x),
-                                                   F.repeats)
+                                                   F.repeats, warmup=2)
   for title, rows in (('scanned apply trace', rows_apply),
                       ('scanned init trace', rows_init)):
     for depth in (F.depth, F.deep):
@@ -116,18 +119,19 @@ def trace_figures(key):
 
 
 def dispatch_figures(key):
-  x = jnp.ones((F.batch, F.hidden))
+  hidden = F.dispatch_hidden
+  x = jnp.ones((1, hidden))
   rows = []
   for name, nn in (('liftmods', lnn), ('flax.linen', fnn)):
     net = build(nn)
-    v = net(F.depth, F.hidden).init(key, x)
-    plain = jax.jit(net(F.depth, F.hidden).apply)
-    lifted = nn.jit(net)(F.depth, F.hidden)
+    v = net(F.depth, hidden).init(key, x)
+    plain = jax.jit(net(F.depth, hidden).apply)
+    lifted = nn.jit(net)(F.depth, hidden)
     rows.append((f'{name} jax.jit(apply)', common.time_calls(
         lambda: plain(v, x), 200, warmup=3)))
     rows.append((f'{name} nn.jit(Net)', common.time_calls(
         lambda: lifted.apply(v, x), 200, warmup=3)))
-  common.print_table(f'eager call (depth={F.depth}, H={F.hidden})', rows,
+  common.print_table(f'eager call (depth={F.depth}, H={hidden}, batch 1)', rows,
                      'liftmods jax.jit(apply)')
   d = dict(rows)
   for name in ('liftmods', 'flax.linen'):

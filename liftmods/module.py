@@ -622,9 +622,10 @@ class Module:
     output, or ``(output, mutated_collections)`` when ``mutable``."""
     Module._module_checks(self)
     fn = self._resolve_method(method)
-    return apply(fn, self, mutable=mutable,
-                 capture_intermediates=capture_intermediates)(
-                     variables, *args, rngs=rngs, **kwargs)
+    capture, mutable = _with_capture(capture_intermediates, mutable)
+    return core.run(
+        lambda scope: _call_bound(scope, fn, self, capture, args, kwargs),
+        variables, (), {}, rngs, mutable)
 
   def init_with_output(self, rngs, *args, method=None,
                        mutable=DenyList('intermediates'),
@@ -691,9 +692,17 @@ def _checked_hash(hash_fn):
   return wrapped
 
 
+_VALID_METHODS: 'weakref.WeakKeyDictionary' = weakref.WeakKeyDictionary()
+
+
 def _unbound_fn(method):
   if inspect.ismethod(method) and isinstance(method.__self__, Module):
     method = method.__func__
+  try:
+    if method in _VALID_METHODS:
+      return method
+  except TypeError:  # unhashable or not weakly referenceable
+    pass
   if not callable(method):
     raise errors.ApplyModuleInvalidMethodError(method)
   try:
@@ -702,6 +711,10 @@ def _unbound_fn(method):
     n_params = 1
   if n_params < 1:
     raise errors.ApplyModuleInvalidMethodError(method)
+  try:
+    _VALID_METHODS[method] = True
+  except TypeError:
+    pass
   return method
 
 
@@ -731,15 +744,20 @@ def _with_capture(capture_intermediates, mutable):
   return capture_intermediates, mutable
 
 
+def _call_bound(scope, fn, module, capture, args, kwargs):
+  """``fn`` on a clone of ``module`` bound to ``scope``."""
+  _context.capture_stack.append(capture)
+  try:
+    return fn(module.clone(parent=scope, _deep_clone=True), *args, **kwargs)
+  finally:
+    _context.capture_stack.pop()
+
+
 def _scope_fn(fn, module, capture):
 
   @functools.wraps(fn)
   def scope_fn(scope, *args, **kwargs):
-    _context.capture_stack.append(capture)
-    try:
-      return fn(module.clone(parent=scope, _deep_clone=True), *args, **kwargs)
-    finally:
-      _context.capture_stack.pop()
+    return _call_bound(scope, fn, module, capture, args, kwargs)
 
   return scope_fn
 

@@ -224,6 +224,28 @@ def test_scan_params_and_dropout_split_with_counter_carry():
   assert variables['params']['layer']['kernel'].shape == (5, 3, 3)
 
 
+def test_scan_repeated_applies_keep_flax_keys():
+  """Later traces of one scan site (which may skip the invariant trace)
+  draw the same keys and leave the same counters as flax."""
+  def make(lib):
+    def body(scope, c, x):
+      h = noisy_dense(scope, c + x)
+      return h, ()
+    def f(scope, xs):
+      c, _ = lib['lift'].scan(body, variable_axes={'params': 0},
+                              split_rngs={'params': True, 'dropout': True})(
+                                  scope.push('s'), jnp.zeros(3), xs)
+      return c, jax.random.uniform(scope.make_rng('dropout'), ())
+    return f
+
+  xs = jnp.ones((2, 3))
+  _, variables = finit(make(FLAX))(RNGS2, xs)
+  for seed in (3, 3, 4):
+    rngs = {'dropout': jax.random.key(seed)}
+    assert_identical(fapply(make(FLAX))(variables, xs, rngs=rngs),
+                     lapply(make(OURS))(variables, xs, rngs=rngs))
+
+
 def test_scan_broadcast_params_and_broadcast_input():
   xs = jnp.arange(8.).reshape(4, 2) / 3
 

@@ -23,6 +23,16 @@ BACKENDS = (fnn, lnn)
 RTOL, ATOL = 1e-5, 1e-6
 
 
+@pytest.fixture(scope='module', autouse=True)
+def _fast_compiles():
+  """Tiny programs compiled many times: skip most XLA optimizations (for
+  both libraries alike) to keep the suite fast."""
+  old = jax.config.read('jax_disable_most_optimizations')
+  jax.config.update('jax_disable_most_optimizations', True)
+  yield
+  jax.config.update('jax_disable_most_optimizations', old)
+
+
 # -- comparison helpers --------------------------------------------------------
 
 
@@ -111,11 +121,15 @@ def _rngs(seed, names):
 
 def check(build, init_args, apply_cases=None, *, mutable=False,
           rng_names=(), seeds=SEEDS, method=None, grads=True,
-          perturbed=True, init_kwargs=None, apply_kwargs=None):
+          perturbed=True, init_kwargs=None, apply_kwargs=None,
+          eager_apply=False, jit_later_seeds=False):
   """Runs ``build(nn)`` with both backends and compares init, apply, grads.
 
-  Returns ``{'vars': {nn: variables}, 'out': {nn: apply output of the first
-  case}, 'init_out': {nn: init output}}`` (first seed) for extra checks.
+  Init runs eagerly (with ``jit_later_seeds``, seeds after the first run
+  under ``jax.jit``); apply outputs and gradients are computed under ``jax.jit`` (plus one eager
+  apply with ``eager_apply=True``). Returns ``{'vars': {nn: variables},
+  'out': {nn: apply output of the first case}, 'init_out': {nn: init
+  output}}`` (first seed) for extra checks.
   """
   if apply_cases is None:
     apply_cases = [init_args]
@@ -126,10 +140,19 @@ def check(build, init_args, apply_cases=None, *, mutable=False,
     apply_kwargs.setdefault('method', method)
   mods = {nn: build(nn) for nn in BACKENDS}
   result = {}
-  for seed in seeds:
-    res = {nn: mods[nn].init_with_output(_rngs(seed, rng_names), *init_args,
-                                         **init_kwargs)
-           for nn in BACKENDS}
+  jit_inits = {nn: jax.jit(functools.partial(
+      lambda rngs, nn: mods[nn].init_with_output(rngs, *init_args,
+                                                 **init_kwargs), nn=nn))
+               for nn in BACKENDS}
+  for i, seed in enumerate(seeds):
+    # eagerly, as user code would (jit_later_seeds: seeds after the first
+    # under jax.jit)
+    if i == 0 or not jit_later_seeds:
+      res = {nn: mods[nn].init_with_output(_rngs(seed, rng_names), *init_args,
+                                           **init_kwargs)
+             for nn in BACKENDS}
+    else:
+      res = {nn: jit_inits[nn](_rngs(seed, rng_names)) for nn in BACKENDS}
     (fo, fv), (lo, lv) = res[fnn], res[lnn]
     assert_identical(lv, fv, f'init variables (seed {seed})')
     assert_close(lo, fo, f'init output (seed {seed})')
@@ -163,17 +186,17 @@ def check(build, init_args, apply_cases=None, *, mutable=False,
       return out, jax.grad(loss)(vs['params'])
 
     runs = {nn: jax.jit(functools.partial(run, nn=nn)) for nn in BACKENDS}
-    if ci == 0:
-      # one eager (un-jitted) apply, as user code would run it
+    if ci == 0 and eager_apply:
       outs = {nn: mods[nn].apply(variables[nn], *case, mutable=mutable,
                                  rngs=apply_rngs, **apply_kwargs)
               for nn in BACKENDS}
       assert_close(outs[lnn], outs[fnn], 'eager apply output (init)')
-      result['out'] = outs
     for tag, vs in tags:
       res = {nn: runs[nn](vs[nn]) for nn in BACKENDS}
       assert_close(res[lnn][0], res[fnn][0], f'apply output ({tag}, case {ci})')
       assert_close(res[lnn][1], res[fnn][1], f'param grads ({tag}, case {ci})')
+      if ci == 0 and tag == 'init':
+        result['out'] = {nn: r[0] for nn, r in res.items()}
   return result
 
 
@@ -719,16 +742,7 @@ def test_scan_in_setup_layers():
       'kernel'] == (3, 4, 4)
 
 
-_MODULE_ARG_BUG = pytest.mark.xfail(strict=True, reason=(
-    'liftmods bug: a bound module passed as an argument to a lifted '
-    'function is replaced by a _ModuleSlot that is a pytree LEAF (flax uses '
-    'an InstancePlaceholder pytree with no leaves): vmap with in_axes=0 '
-    'covering it raises IndexError (lift.vmap note_size indexes shape ()), '
-    'jit/remat pass it to jax.jit/jax.checkpoint as an array -> TypeError'))
-
-
-@pytest.mark.parametrize('in_axes', [
-    pytest.param(0, marks=_MODULE_ARG_BUG), (None, 0)])
+@pytest.mark.parametrize('in_axes', [0, (None, 0)])
 def test_vmap_function_with_module_arguments(in_axes):
   def build(nn):
     class Model(nn.Module):
@@ -749,8 +763,7 @@ def test_vmap_function_with_module_arguments(in_axes):
   assert p['own']['kernel'] == (4, 3, 3) and p['other']['kernel'] == (4, 3, 3)
 
 
-@pytest.mark.parametrize('in_axes', [
-    pytest.param(0, marks=_MODULE_ARG_BUG), (None, 0)])
+@pytest.mark.parametrize('in_axes', [0, (None, 0)])
 def test_vmap_function_with_module_argument_shared(in_axes):
   def build(nn):
     class Model(nn.Module):
@@ -770,9 +783,7 @@ def test_vmap_function_with_module_argument_shared(in_axes):
   assert shapes(r['vars'][lnn])['params']['other']['kernel'] == (3, 3)
 
 
-@pytest.mark.parametrize('which', [
-    pytest.param(w, marks=_MODULE_ARG_BUG) for w in ('jit', 'remat',
-                                                     'checkpoint')])
+@pytest.mark.parametrize('which', ['jit', 'remat', 'checkpoint'])
 def test_function_with_module_argument(which):
   def build(nn):
     class Model(nn.Module):
@@ -1406,3 +1417,299 @@ def test_partitioned_scan_of_vmap_names():
   r = check(build, (x,))
   _check_names(r, [('layers', 'heads', 'embed', 'mlp'),
                    ('layers', 'heads', 'mlp')])
+
+
+# -- more patterns -----------------------------------------------------------------
+
+
+def test_auto_names_of_transformed_classes():
+  """Unnamed instances of transformed classes get Linen's auto names
+  (``VmapDense_0``, ``CheckpointDense_0``, ``Map_variablesDense_0``...)."""
+  def build(nn):
+    class Layer(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        return x + nn.tanh(nn.Dense(3)(x))
+
+    class ScanLayer(nn.Module):
+      @nn.compact
+      def __call__(self, c, x):
+        return Layer()(c), None
+
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        x = nn.vmap(nn.Dense, variable_axes={'params': 0},
+                    split_rngs={'params': True})(3)(x)
+        x = nn.jit(nn.Dense)(3)(x)
+        x = nn.remat(nn.Dense)(3)(x)
+        x = nn.checkpoint(Layer)()(x)
+        x = nn.map_variables(nn.Dense, 'params', init=True)(3)(x)
+        x = nn.remat_scan(Layer, lengths=(2,))()(x)
+        x, _ = nn.scan(ScanLayer, variable_axes={'params': 0},
+                       split_rngs={'params': True}, length=2)()(x, None)
+        return x
+    return Model()
+
+  r = check(build, (X4,))
+  assert set(r['vars'][fnn]['params']) == set(r['vars'][lnn]['params'])
+  assert {'VmapDense_0', 'JitDense_0', 'CheckpointDense_0',
+          'CheckpointLayer_0', 'ScanScanLayer_0'} <= set(
+              r['vars'][lnn]['params'])
+
+
+def test_scan_sow_intermediates():
+  def build(nn):
+    class Layer(nn.Module):
+      @nn.compact
+      def __call__(self, x, _):
+        y = nn.tanh(nn.Dense(3)(x))
+        self.sow('intermediates', 'act', y)
+        return x + y, None
+
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        x, _ = nn.scan(Layer, variable_axes={'params': 0,
+                                             'intermediates': 0},
+                       split_rngs={'params': True}, length=3)(
+                           name='layers')(x, None)
+        return x
+    return Model()
+
+  x = jax.random.normal(jax.random.key(2), (2, 3))
+  r = check(build, (x,), mutable=['intermediates'])
+  y, inter = r['out'][lnn]
+  act = inter['intermediates']['layers']['act']
+  assert isinstance(act, tuple) and act[0].shape == (3, 2, 3)
+
+
+def test_vmap_capture_intermediates():
+  def build(nn):
+    return nn.vmap(_mlp(nn), variable_axes={'params': 0,
+                                            'intermediates': 0},
+                   split_rngs={'params': True})(2)
+
+  check(build, (X4,), mutable=['intermediates'],
+        apply_kwargs={'capture_intermediates': True})
+
+
+def test_jit_batchnorm_mutable_stats():
+  def build(nn):
+    class Net(nn.Module):
+      train: bool = True
+
+      @nn.jit
+      @nn.compact
+      def __call__(self, x):
+        x = nn.Dense(3)(x)
+        return nn.BatchNorm(use_running_average=not self.train,
+                            momentum=0.5)(x)
+    return Net()
+
+  r = check(build, (X4,), mutable=['batch_stats'])
+  _, upd = r['out'][lnn]
+  assert not np.allclose(upd['batch_stats']['BatchNorm_0']['mean'], 0.0)
+  # eval mode reads the stats
+  for nn in BACKENDS:
+    y = build(nn).clone(train=False).apply(
+        {**r['vars'][nn], **r['out'][nn][1]}, X4)
+    y_ref = build(fnn).clone(train=False).apply(
+        {**r['vars'][fnn], **r['out'][fnn][1]}, X4)
+    np.testing.assert_allclose(y, y_ref, rtol=RTOL, atol=ATOL)
+
+
+def test_jit_cache_distinguishes_module_fields():
+  """Two instances of one jitted class that differ only in a non-shape
+  field must not share a compiled function."""
+  def build(nn):
+    class Scale(nn.Module):
+      factor: float
+
+      @nn.compact
+      def __call__(self, x):
+        return nn.Dense(3)(x) * self.factor
+
+    JScale = nn.jit(Scale)
+
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        return JScale(2.0)(x), JScale(-3.0)(x)
+    return Model()
+
+  r = check(build, (X4,))
+  a, b = r['out'][lnn]
+  assert not np.allclose(a, b)
+
+
+def test_jit_method_other_than_call():
+  def build(nn):
+    JAE = nn.jit(_autoencoder(nn), methods=['encode', 'decode'])
+
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        ae = JAE()
+        return ae.decode(ae.encode(x))
+    return Model()
+
+  check(build, (X4,))
+
+
+def test_scan_rng_not_in_split_rngs():
+  """Dropout inside a scan whose split_rngs only lists 'params': Flax and
+  liftmods agree (same values, or both raise the same kind of error)."""
+  def build(nn):
+    return nn.scan(_dropout_block(nn), variable_axes={'params': 0},
+                   split_rngs={'params': True})()
+
+  outcome = {}
+  for nn in BACKENDS:
+    try:
+      v = build(nn).init(_rngs(0, ('dropout',)), C0, XS)
+      outcome[nn] = ('ok', build(nn).apply(
+          v, C0, XS, rngs={'dropout': jax.random.key(3)}))
+    except Exception as e:  # pylint: disable=broad-except
+      outcome[nn] = ('error', e)
+  assert outcome[lnn][0] == outcome[fnn][0], outcome
+  if outcome[fnn][0] == 'ok':
+    assert_close(outcome[lnn][1], outcome[fnn][1], 'apply')
+
+
+def test_transformed_instance_called_twice_shares_params():
+  def build(nn):
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        vd = nn.vmap(nn.Dense, variable_axes={'params': 0},
+                     split_rngs={'params': True})(3)
+        jd = nn.jit(nn.Dense)(3)
+        y = vd(x)
+        y = vd(y)
+        return jd(jd(y))
+    return Model()
+
+  check(build, (X4,))
+
+
+def test_jit_inside_scan_body():
+  def build(nn):
+    class Step(nn.Module):
+      @nn.compact
+      def __call__(self, c, x):
+        h = nn.jit(nn.Dense)(3)(x) + c
+        return nn.tanh(h), h
+    return nn.scan(Step, variable_axes={'params': 0},
+                   split_rngs={'params': True})()
+
+  check(build, (C0, XS))
+
+
+def test_cond_inside_scan():
+  def build(nn):
+    class Step(nn.Module):
+      @nn.compact
+      def __call__(self, c, x):
+        d = nn.Dense(3, name='d')
+
+        def pos(mdl, c):
+          return nn.tanh(d(c))
+
+        def neg(mdl, c):
+          return -nn.tanh(d(c))
+        c = nn.cond(x.sum() > 0, pos, neg, self, c)
+        return c, c.sum()
+    return nn.scan(Step, variable_broadcast='params',
+                   split_rngs={'params': False})()
+
+  xs = jax.random.normal(jax.random.key(9), (5, 1))
+  check(build, (C0, xs))
+
+
+def test_while_loop_split_rngs_dropout():
+  def build(nn):
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        self.variable('counter', 'n', lambda: jnp.zeros((), jnp.int32))
+
+        def cond_fn(mdl, c):
+          return mdl.variables['counter']['n'] < 3
+
+        def body_fn(mdl, c):
+          mdl.variable('counter', 'n').value += 1
+          return nn.Dropout(0.5, deterministic=False)(c) + 1.0
+        return nn.while_loop(cond_fn, body_fn, self, x,
+                             carry_variables='counter',
+                             split_rngs={'dropout': True})
+    return Model()
+
+  x = jnp.ones((3, 4))
+  r = check(build, (x,), mutable=['counter'], rng_names=('dropout',),
+            grads=False)
+  for a, b in zip(jax.tree_util.tree_leaves(r['out'][lnn]),
+                  jax.tree_util.tree_leaves(r['out'][fnn])):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_jit_static_argnames():
+  def build(nn):
+    class Block(nn.Module):
+      @nn.compact
+      def __call__(self, x, *, act: str = 'relu'):
+        h = nn.Dense(3)(x)
+        return nn.relu(h) if act == 'relu' else jnp.cos(h)
+
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        b = nn.jit(Block, static_argnames=('act',))()
+        return b(x, act='relu') + b(x, act='cos')
+    return Model()
+
+  check(build, (X4,))
+
+
+def test_map_variables_batch_stats_mutable():
+  def build(nn):
+    class Net(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        return nn.BatchNorm(use_running_average=False, momentum=0.5)(x)
+
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        M = nn.map_variables(
+            Net, 'batch_stats',
+            trans_in_fn=lambda v: jax.tree_util.tree_map(lambda a: a * 2.0,
+                                                         v),
+            trans_out_fn=lambda v: jax.tree_util.tree_map(lambda a: a / 2.0,
+                                                          v),
+            init=True, mutable=True)
+        return M(name='bn')(nn.Dense(3)(x))
+    return Model()
+
+  check(build, (X4,), mutable=['batch_stats'])
+
+
+def test_vmap_setup_submodule_called_from_other_method():
+  def build(nn):
+    class Model(nn.Module):
+      def setup(self):
+        self.body = nn.vmap(_mlp(nn), variable_axes={'params': 0},
+                            split_rngs={'params': True})(2)
+        self.head = nn.Dense(1)
+
+      def features(self, x):
+        return self.body(x)
+
+      def __call__(self, x):
+        return self.head(self.features(x))
+    return Model()
+
+  r = check(build, (X4,))
+  feats = {nn: build(nn).apply(r['vars'][nn], X4, method='features')
+           for nn in BACKENDS}
+  assert_close(feats[lnn], feats[fnn], 'features')

@@ -513,16 +513,22 @@ def apply(fn: Callable, mutable=False, flags: Mapping | None = None):
 
   @functools.wraps(fn)
   def wrapper(variables, *args, rngs=None, **kwargs):
-    root = bind(variables, rngs, mutable, flags)
-    try:
-      out = fn(root, *args, **kwargs)
-    finally:
-      root.invalidate()
-    if mutable is not False:
-      return out, root.mutable_variables()
-    return out
+    return run(fn, variables, args, kwargs, rngs, mutable, flags)
 
   return wrapper
+
+
+def run(fn: Callable, variables, args, kwargs, rngs=None, mutable=False,
+        flags: Mapping | None = None):
+  """One ``apply`` call without building a wrapper: ``fn(root, *args)``."""
+  root = bind(variables, rngs, mutable, flags)
+  try:
+    out = fn(root, *args, **kwargs)
+  finally:
+    root.invalidate()
+  if mutable is not False:
+    return out, root.mutable_variables()
+  return out
 
 
 def init(fn: Callable, mutable=True, flags: Mapping | None = None):
