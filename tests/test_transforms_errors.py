@@ -519,3 +519,34 @@ def test_lifted_function_returns_module(name, what):
   with pytest.raises(errors.TransformedMethodReturnValueError) as info:
     run(lnn)
   assert 'make_things' in str(info.value)
+
+
+# -- PartitioningUnspecifiedError --------------------------------------------
+
+
+def test_partitioned_variable_stacked_without_partition_name():
+  def build(nn):
+    class Block(nn.Module):
+      @nn.compact
+      def __call__(self, x, _):
+        k = nn.with_partitioning(nn.initializers.lecun_normal(),
+                                 ('embed', 'mlp'))
+        return nn.Dense(2, kernel_init=k)(x), None
+
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        return nn.scan(Block, variable_axes={'params': 0},
+                       split_rngs={'params': True}, length=2)(
+                           name='stack')(x, None)
+    return Model()
+
+  def run(nn):
+    return build(nn).init(jax.random.key(0), jnp.ones((2, 2)))
+
+  with pytest.raises(flax.errors.PartitioningUnspecifiedError):
+    run(fnn)
+  with pytest.raises(errors.PartitioningUnspecifiedError) as info:
+    run(lnn)
+  msg = str(info.value)
+  assert "('embed', 'mlp')" in msg and 'partition_name' in msg
