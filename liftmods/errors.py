@@ -263,8 +263,8 @@ class TransformedMethodReturnValueError(LiftmodsError):
 
   def __init__(self, name):
     super().__init__(
-        f'The transformed method "{name}" returned a Module; modules cannot '
-        'leave a transform. Return arrays instead.')
+        f'The transformed method "{name}" returned a Module or Variable; '
+        'these cannot leave a transform. Return arrays instead.')
 
 
 class JaxTransformError(LiftmodsError):
@@ -275,7 +275,7 @@ class JaxTransformError(LiftmodsError):
                      'modules rather than jax transforms over bound modules.')
 
 
-class LiftError(LiftmodsError):
+class LiftError(LiftmodsError, ValueError):
   """A lifted transform is used inconsistently (axes, carries, branches)."""
 
 

@@ -194,38 +194,39 @@ def _check_return(tree, method_name):
 # -- lifting a method, a class or a function ----------------------------------------
 
 
-def _run_on_clone(self, fn, fn_name, scopes, args, kwargs, cls=None):
-  state = self._state.export()
-  clone, args, kwargs = set_module_scopes(self, args, kwargs, scopes, cls)
-  object.__setattr__(clone, '_state', state.export())
-  out = fn(clone, *args, **kwargs)
-  self._state.reimport(clone._state)
-  _check_return(out, fn_name)
-  return out
+def _scope_fn_for(self, state, fn, fn_name, multi_scope=True, cls=None):
+  """The scope function a core transform runs: rebuild ``self`` (as ``cls``)
+  and its argument modules on the inner scopes, call ``fn`` on the clone,
+  and hand the clone's naming state back to ``self``."""
 
-
-def _lift_method(transform, fn, fn_name, trafo_args, trafo_kwargs, cls=None,
-                 multi_scope=True):
-  """``fn(module, *args)`` -> the same under ``transform``."""
-
-  def lifted(self, *args, **kwargs):
-
-    def scope_fn(scopes, *args, **kwargs):
-      if not multi_scope:
-        scopes = [scopes]
-      return _run_on_clone(self, fn, fn_name, scopes, args, kwargs, cls)
-
-    scopes, args, kwargs = get_module_scopes(self, args, kwargs)
+  def scope_fn(scopes, *args, **kwargs):
     if not multi_scope:
-      if len(scopes) != 1:
-        raise NotImplementedError(
-            f'{fn_name}: this transform does not support modules passed as '
-            'arguments or fields of the transformed module.')
-      scopes = scopes[0]
-    return transform(scope_fn, *trafo_args, **trafo_kwargs)(scopes, *args,
-                                                            **kwargs)
+      scopes = [scopes]
+    clone, args, kwargs = set_module_scopes(self, args, kwargs, scopes, cls)
+    object.__setattr__(clone, '_state', state.export())
+    out = fn(clone, *args, **kwargs)
+    self._state.reimport(clone._state)
+    _check_return(out, fn_name)
+    return out
 
-  return lifted
+  return scope_fn
+
+
+def _call_lifted(self, transform, fns, names, trafo_args, trafo_kwargs, args,
+                 kwargs, cls=None, multi_scope=True):
+  """Runs ``fns`` (methods of ``self``) under ``transform``."""
+  state = self._state.export()
+  scope_fns = [_scope_fn_for(self, state, f, n, multi_scope, cls)
+               for f, n in zip(fns, names)]
+  scopes, args, kwargs = get_module_scopes(self, args, kwargs)
+  if not multi_scope:
+    if len(scopes) != 1:
+      raise NotImplementedError(
+          f'{names[0]}: this transform does not support modules passed as '
+          'arguments or fields of the transformed module.')
+    scopes = scopes[0]
+  return transform(*scope_fns, *trafo_args, **trafo_kwargs)(scopes, *args,
+                                                            **kwargs)
 
 
 def _method_args(methods, trafo_args, trafo_kwargs):
@@ -245,6 +246,15 @@ def _is_module_class(target) -> bool:
   return inspect.isclass(target) and issubclass(target, Module)
 
 
+def _class_method(transform, fn, fn_name, trafo_args, trafo_kwargs, cls):
+
+  def lifted(self, *args, **kwargs):
+    return _call_lifted(self, transform, (fn,), (fn_name,), trafo_args,
+                        trafo_kwargs, args, kwargs, cls=cls)
+
+  return lifted
+
+
 def lift_class(transform, name, module_class, *trafo_args, methods=None,
                **trafo_kwargs):
   """A subclass of ``module_class`` whose ``methods`` run under
@@ -256,9 +266,8 @@ def lift_class(transform, name, module_class, *trafo_args, methods=None,
   for fn_name, (t_args, t_kwargs) in _method_args(
       methods, trafo_args, trafo_kwargs).items():
     fn = getattr(module_class, fn_name)
-    method = _lift_method(transform, fn, fn_name, t_args, t_kwargs,
-                          cls=module_class)
-    lifted[fn_name] = functools.wraps(fn)(method)
+    lifted[fn_name] = functools.wraps(fn)(_class_method(
+        transform, fn, fn_name, t_args, t_kwargs, module_class))
   new_cls = type(name.capitalize() + module_class.__name__, (module_class,),
                  lifted)
   if partial is not None:
@@ -274,32 +283,8 @@ def lift_decorator(transform, class_fns, *trafo_args, multi_scope=True,
   names = [getattr(f, '__name__', 'fn') for f in fns]
 
   def lifted(self, *args, **kwargs):
-    state = self._state.export()
-
-    def make_scope_fn(fn, fn_name):
-
-      def scope_fn(scopes, *args, **kwargs):
-        if not multi_scope:
-          scopes = [scopes]
-        clone, args, kwargs = set_module_scopes(self, args, kwargs, scopes)
-        object.__setattr__(clone, '_state', state.export())
-        out = fn(clone, *args, **kwargs)
-        self._state.reimport(clone._state)
-        _check_return(out, fn_name)
-        return out
-
-      return scope_fn
-
-    scope_fns = [make_scope_fn(f, n) for f, n in zip(wrapped, names)]
-    scopes, args, kwargs = get_module_scopes(self, args, kwargs)
-    if not multi_scope:
-      if len(scopes) != 1:
-        raise NotImplementedError(
-            f'{names[0]}: this transform does not support modules passed as '
-            'arguments or fields of the transformed module.')
-      scopes = scopes[0]
-    return transform(*scope_fns, *trafo_args, **trafo_kwargs)(scopes, *args,
-                                                              **kwargs)
+    return _call_lifted(self, transform, wrapped, names, trafo_args,
+                        trafo_kwargs, args, kwargs, multi_scope=multi_scope)
 
   return functools.wraps(wrapped[0])(lifted)
 
@@ -598,8 +583,9 @@ def _jit_lift(fn, fn_name, cls, trafo_kwargs):
   core = None
 
   def scope_fn(scopes, module_key, *args, **kwargs):
-    return _run_on_clone(module_key.module, fn, fn_name, scopes, args, kwargs,
-                         cls)
+    module = module_key.module
+    return _scope_fn_for(module, module._state.export(), fn, fn_name,
+                         cls=cls)(scopes, *args, **kwargs)
 
   def lifted(self, *args, **kwargs):
     nonlocal core

@@ -7,6 +7,12 @@ Every model is written ONCE as ``build(nn)`` and run with ``nn = flax.linen``
 * BIT-IDENTICAL init values for at least two seeds,
 * equal outputs (``rtol=1e-5, atol=1e-6``), at init and perturbed params,
 * equal gradients of a scalar loss w.r.t. ``params``.
+
+Init runs eagerly (as user code does); the apply/gradient comparisons run
+under ``jax.jit`` (compiled once per library and input case); a few tests
+also compare eager applies and jitted inits. A module fixture turns off most
+XLA optimizations and enables a throw-away persistent compilation cache for
+speed (same settings for both libraries; nothing compared depends on them).
 """
 import functools
 
@@ -54,8 +60,9 @@ def _fast_compiles(tmp_path_factory):
 
 
 def _as_dicts(tree):
-  """Plain nested dicts (FrozenDicts thawed) with boxed leaves replaced by
-  ``('box', type name, names, value)`` tuples."""
+  """Plain nested dicts (FrozenDicts thawed) with ``Partitioned`` boxes of
+  either library replaced by ``('Partitioned', names, value)`` tuples, so
+  that flax and liftmods trees compare structurally (names included)."""
   if isinstance(tree, (fnn.Partitioned, lnn.Partitioned)):
     return ('Partitioned', tuple(tree.names), _as_dicts(tree.value))
   if hasattr(tree, 'items'):
@@ -1006,15 +1013,12 @@ def test_jit_trace_counts_match_flax():
   assert counts[lnn] == counts[fnn]
 
 
-@pytest.mark.parametrize('pass_rngs', [
-    False,
-    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
-        'liftmods bug: a jitted submodule called twice per apply retraces '
-        'once more on the SECOND apply when any rng is passed to apply() '
-        '(trace counts [2, 4, 5, 5] vs flax [2, 4, 4, 4])')))])
+@pytest.mark.parametrize('pass_rngs', [False, True])
 def test_jit_shared_submodule_trace_counts(pass_rngs):
   """A jitted submodule called twice per apply: after the first apply,
-  further applies hit the compile cache (as in Flax)."""
+  further applies hit the compile cache, and liftmods never traces more
+  often than Flax (it may trace less: calls whose rng states differ only in
+  untouched child counters share one compiled function)."""
   counts = {}
   for nn in BACKENDS:
     counter = []
@@ -1040,7 +1044,7 @@ def test_jit_shared_submodule_trace_counts(pass_rngs):
               else None)
       seq.append(len(counter))
     counts[nn] = seq
-  assert counts[lnn] == counts[fnn]
+  assert all(a <= b for a, b in zip(counts[lnn], counts[fnn])), counts
   assert counts[lnn][-1] == counts[lnn][-2] == counts[lnn][-3]
 
 

@@ -1316,6 +1316,19 @@ def _counter_changes(before: tuple, after: tuple) -> tuple:
   return tuple(changes)
 
 
+def _without_zero_children(state: tuple) -> tuple:
+  """A counter snapshot with all-zero child entries dropped: a push creates
+  exactly those, so states differing only in them behave the same."""
+  out = []
+  for k, v in state:
+    if isinstance(v, tuple):
+      if _all_zero(v):
+        continue
+      v = _without_zero_children(v)
+    out.append((k, v))
+  return tuple(out)
+
+
 class _JitContext(threading.local):
 
   def __init__(self):
@@ -1393,7 +1406,8 @@ def jit(fn: Callable[..., Any], variables=True, rngs=True,
       before = tuple(_counter_state(s.rng_counters) for s in scopes)
       where = tuple((s.path, _hashable_filter(s.mutable),
                      _hashable_flags(s.flags)) for s in scopes)
-    fingerprint = (hash_key, where, packing.links, packing.treedef, before)
+    fingerprint = (hash_key, where, packing.links, packing.treedef,
+                   tuple(_without_zero_children(b) for b in before))
     entry = cache.get(fingerprint)
     if entry is None:
       if len(cache) >= _JIT_CACHE_LIMIT:
