@@ -61,7 +61,7 @@ class Variable:
   @property
   def value(self):
     v = self.scope.get_variable(self.collection, self.name)
-    return meta.unbox(v) if self.unbox else v
+    return meta.unbox(v) if self.unbox and not hasattr(v, 'shape') else v
 
   @value.setter
   def value(self, new):
@@ -81,6 +81,8 @@ class Variable:
 def _has_boxes(tree) -> bool:
   if isinstance(tree, meta.AxisMetadata):
     return True
+  if hasattr(tree, 'shape'):  # a plain array: nothing to walk
+    return False
   return any(isinstance(x, meta.AxisMetadata) for x in
              jax.tree_util.tree_leaves(tree, is_leaf=meta.is_axis_metadata))
 
@@ -245,9 +247,6 @@ class Scope:
 
   def is_collection_empty(self, col: str) -> bool:
     return not self._collection(col)
-
-  def collections(self):
-    return tuple(self.root._variables)
 
   def variables(self) -> dict:
     """All of this scope's collections, ``{collection: {name: value}}``."""
