@@ -170,16 +170,26 @@ _LEAF_TYPES = frozenset((int, float, bool, str, type(None), type, complex,
                          functools.partial))
 
 
-def _has_module(val) -> bool:
+def _contains(val, pred) -> bool:
+  """Whether ``pred`` holds for ``val`` or anything nested in its lists,
+  tuples and dicts (plain scalars and functions are skipped fast)."""
   if type(val) in _LEAF_TYPES:
     return False
-  if isinstance(val, Module):
+  if pred(val):
     return True
   if isinstance(val, (list, tuple)):
-    return any(_has_module(v) for v in val)
+    return any(_contains(v, pred) for v in val)
   if isinstance(val, (dict, FrozenDict)):
-    return any(_has_module(v) for v in val.values())
+    return any(_contains(v, pred) for v in val.values())
   return False
+
+
+def _is_module(x) -> bool:
+  return isinstance(x, Module)
+
+
+def _has_module(val) -> bool:
+  return _contains(val, _is_module)
 
 
 def _map_modules(fn, val, suffix=''):

@@ -30,8 +30,7 @@ from liftmods.core import lift
 from liftmods.core import meta
 from liftmods.core.frozen_dict import FrozenDict
 from liftmods.core.scope import Scope, Variable
-from liftmods.module import (Module, _map_modules, _has_module, _unbound_fn,
-                             _wrap_method)
+from liftmods.module import Module, _contains, _unbound_fn, _wrap_method
 
 
 # -- collecting and restoring scopes ------------------------------------------------
@@ -176,13 +175,7 @@ def set_module_scopes(module: Module, args, kwargs, scopes, cls=None):
 
 
 def _has_bound(v) -> bool:
-  if _bound(v):
-    return True
-  if isinstance(v, (list, tuple)):
-    return any(_has_bound(x) for x in v)
-  if isinstance(v, (dict, FrozenDict)):
-    return any(_has_bound(x) for x in v.values())
-  return False
+  return _contains(v, _bound)
 
 
 def _check_return(tree, method_name):
