@@ -37,9 +37,10 @@ from liftmods.layers.linear import (Conv, ConvLocal, ConvTranspose, Dense,
                                     DenseGeneral, Einsum, Embed)
 from liftmods.layers.normalization import (BatchNorm, GroupNorm, InstanceNorm,
                                            LayerNorm, RMSNorm)
-from liftmods.layers.recurrent import (ConvLSTMCell, GRUCell, LSTMCell,
-                                       MGUCell, OptimizedLSTMCell, RNNCellBase,
-                                       SimpleCell)
+from liftmods.layers.recurrent import (RNN, Bidirectional, ConvLSTMCell,
+                                       GRUCell, LSTMCell, MGUCell,
+                                       OptimizedLSTMCell, RNNCellBase,
+                                       SimpleCell, flip_sequences)
 from liftmods.layers.stochastic import Dropout
 from liftmods.module import (Module, apply, compact, disable_named_call,
                              enable_named_call, init, init_with_output,

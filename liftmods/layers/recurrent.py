@@ -18,21 +18,25 @@ and creates its initial carry with ``initialize_carry(rng, input_shape)``.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import random
 
-from liftmods import initializers
+from liftmods import initializers, transforms
 from liftmods.activation import sigmoid, tanh
 from liftmods.dtypes import promote_dtype
 from liftmods.layers.linear import Conv, Dense, default_kernel_init
+from liftmods.core.frozen_dict import FrozenDict
 from liftmods.module import Module, compact, nowrap
 
 __all__ = ['RNNCellBase', 'LSTMCell', 'OptimizedLSTMCell', 'SimpleCell',
-           'GRUCell', 'MGUCell', 'ConvLSTMCell']
+           'GRUCell', 'MGUCell', 'ConvLSTMCell', 'RNN', 'Bidirectional',
+           'flip_sequences', 'RNNBase', 'DenseParams']
 
 Array = Any
 Carry = Any
@@ -501,3 +505,224 @@ class ConvLSTMCell(RNNCellBase):
   @property
   def num_feature_axes(self) -> int:
     return len(self.kernel_size) + 1
+
+
+# -- sequence wrappers ---------------------------------------------------------------
+
+
+def _broadcast_lengths(lengths, target, time_axis: int):
+  """``lengths`` (one per batch element) shaped to broadcast against
+  ``target`` with the time axis (and the feature axes) as singletons."""
+  lengths = jnp.expand_dims(lengths, axis=time_axis)
+  return lengths.reshape(lengths.shape + (1,) * (target.ndim - lengths.ndim))
+
+
+def flip_sequences(inputs: Array, seq_lengths: Array | None,
+                   num_batch_dims: int, time_major: bool) -> Array:
+  """Reverses each sequence along the time axis, within its length.
+
+  Without ``seq_lengths`` the whole time axis is reversed. With it, the
+  first ``seq_lengths[b]`` steps of sequence ``b`` are reversed in place and
+  the padding after them is rotated to the front, as in Linen:
+  index ``t`` of the result reads input step ``(L - 1 - t) mod T``.
+
+  >>> import jax.numpy as jnp
+  >>> x = jnp.arange(4.)[None, :, None]  # batch 1, time 4, features 1
+  >>> flip_sequences(x, jnp.array([3]), 1, False)[0, :, 0]
+  Array([2., 1., 0., 3.], dtype=float32)
+  """
+  time_axis = 0 if time_major else num_batch_dims
+  steps = inputs.shape[time_axis]
+  if seq_lengths is None:
+    return jnp.flip(inputs, axis=time_axis)
+  order = jnp.arange(steps - 1, -1, -1)
+  shape = [1] * (num_batch_dims + 1)
+  shape[time_axis] = steps
+  order = order.reshape(shape)
+  lengths = jnp.expand_dims(seq_lengths, axis=time_axis)
+  idx = (order + lengths) % steps
+  idx = idx.reshape(idx.shape + (1,) * (inputs.ndim - idx.ndim))
+  return jnp.take_along_axis(inputs, idx, axis=time_axis)
+
+
+def _last_carry(carries, seq_lengths):
+  """The carry after step ``seq_lengths[b] - 1`` for each batch row ``b``
+  (carries stacked on axis 0, one batch axis)."""
+  last = seq_lengths - 1
+
+  def pick(x):
+    return x[last, jnp.arange(x.shape[1])]
+
+  return jax.tree_util.tree_map(pick, carries)
+
+
+def _concatenate(a: Array, b: Array) -> Array:
+  """Joins the forward and backward outputs along the feature axis."""
+  return jnp.concatenate([a, b], axis=-1)
+
+
+class RNNBase(Protocol):
+  """What :class:`Bidirectional` expects of its two recurrent layers: the
+  call signature of :class:`RNN`."""
+
+  def __call__(self, inputs: Array, *, initial_carry: Carry | None = None,
+               init_key: PRNGKey | None = None,
+               seq_lengths: Array | None = None,
+               return_carry: bool | None = None,
+               time_major: bool | None = None, reverse: bool | None = None,
+               keep_order: bool | None = None) -> Any:
+    ...
+
+
+class RNN(Module):
+  """Runs a recurrent ``cell`` over the time axis of its inputs with a lifted
+  ``scan``.
+
+  Inputs are ``(*batch, time, *features)`` (or ``(time, *batch, *features)``
+  with ``time_major``), where the cell says how many trailing axes are
+  features (``num_feature_axes``). The carry starts from
+  ``cell.initialize_carry(init_key or key(0), ...)`` unless
+  ``initial_carry`` is given. Parameters are shared across steps
+  (``variable_broadcast='params'``); the ``variable_*`` and ``split_rngs``
+  attributes go to the scan unchanged.
+
+  Attributes:
+    cell: the step, an :class:`RNNCellBase`.
+    time_major: whether time is the first axis.
+    return_carry: also return the final carry (``(carry, outputs)``).
+    reverse: run from the last step to the first (within
+      ``seq_lengths`` when given).
+    keep_order: with ``reverse``, flip the outputs back to input order.
+    unroll: scan steps unrolled per loop iteration.
+    variable_axes, variable_broadcast, variable_carry, split_rngs: as for
+      :func:`liftmods.scan`.
+
+  >>> import jax, jax.numpy as jnp
+  >>> rnn = RNN(GRUCell(features=3))
+  >>> x = jnp.ones((2, 5, 4))  # batch, time, features
+  >>> variables = rnn.init(jax.random.key(0), x)
+  >>> sorted(variables['params']['cell'])
+  ['hn', 'hr', 'hz', 'in', 'ir', 'iz']
+  >>> rnn.apply(variables, x).shape
+  (2, 5, 3)
+  """
+
+  cell: RNNCellBase
+  time_major: bool = False
+  return_carry: bool = False
+  reverse: bool = False
+  keep_order: bool = False
+  unroll: int = 1
+  variable_axes: Mapping[Any, Any] = FrozenDict()
+  variable_broadcast: Any = 'params'
+  variable_carry: Any = False
+  split_rngs: Mapping[Any, bool] = FrozenDict({'params': False})
+
+  def __call__(self, inputs: Array, *, initial_carry: Carry | None = None,
+               init_key: PRNGKey | None = None,
+               seq_lengths: Array | None = None,
+               return_carry: bool | None = None,
+               time_major: bool | None = None, reverse: bool | None = None,
+               keep_order: bool | None = None):
+    """Returns the outputs of every step (and the final carry when
+    ``return_carry``); arguments given here override the attributes."""
+    return_carry = _pick(return_carry, self.return_carry)
+    time_major = _pick(time_major, self.time_major)
+    reverse = _pick(reverse, self.reverse)
+    keep_order = _pick(keep_order, self.keep_order)
+    n_features = self.cell.num_feature_axes
+    time_axis = 0 if time_major else inputs.ndim - (n_features + 1)
+    if time_axis < 0:
+      time_axis += inputs.ndim
+    n_batch = (len(inputs.shape[1:-n_features]) if time_major
+               else time_axis)
+
+    def flip(tree):
+      return jax.tree_util.tree_map(
+          lambda x: flip_sequences(x, seq_lengths, n_batch, time_major),
+          tree)
+
+    if reverse:
+      inputs = flip(inputs)
+    carry = initial_carry
+    if carry is None:
+      key = random.key(0) if init_key is None else init_key
+      step_shape = inputs.shape[:time_axis] + inputs.shape[time_axis + 1:]
+      carry = self.cell.initialize_carry(key, step_shape)
+    stack_carries = seq_lengths is not None and return_carry
+
+    def body(cell, carry, x):
+      carry, y = cell(carry, x)
+      return carry, ((carry, y) if stack_carries else y)
+
+    looped = transforms.scan(
+        body, in_axes=time_axis,
+        out_axes=(0, time_axis) if stack_carries else time_axis,
+        unroll=self.unroll, variable_axes=self.variable_axes,
+        variable_broadcast=self.variable_broadcast,
+        variable_carry=self.variable_carry, split_rngs=self.split_rngs)
+    carry, outputs = looped(self.cell, carry, inputs)
+    if stack_carries:
+      carries, outputs = outputs
+      carry = _last_carry(carries, seq_lengths)
+    if reverse and keep_order:
+      outputs = flip(outputs)
+    return (carry, outputs) if return_carry else outputs
+
+
+def _pick(value, default):
+  return default if value is None else value
+
+
+class Bidirectional(Module):
+  """Runs ``forward_rnn`` over the inputs and ``backward_rnn`` over them
+  reversed (outputs put back in input order), and merges the two outputs
+  with ``merge_fn`` (concatenation on the last axis by default). The carry
+  is ``(forward_carry, backward_carry)``.
+
+  >>> import jax, jax.numpy as jnp
+  >>> bi = Bidirectional(RNN(LSTMCell(3)), RNN(LSTMCell(3)))
+  >>> x = jnp.ones((2, 5, 4))
+  >>> variables = bi.init(jax.random.key(0), x)
+  >>> sorted(variables['params'])
+  ['backward_rnn', 'forward_rnn']
+  >>> bi.apply(variables, x).shape
+  (2, 5, 6)
+  """
+
+  forward_rnn: RNNBase
+  backward_rnn: RNNBase
+  merge_fn: Callable[[Array, Array], Array] = _concatenate
+  time_major: bool = False
+  return_carry: bool = False
+
+  def __call__(self, inputs: Array, *, initial_carry: Carry | None = None,
+               init_key: PRNGKey | None = None,
+               seq_lengths: Array | None = None,
+               return_carry: bool | None = None,
+               time_major: bool | None = None, reverse: bool | None = None,
+               keep_order: bool | None = None):
+    """Returns the merged outputs (and the pair of carries when
+    ``return_carry``). ``reverse`` and ``keep_order`` are accepted for
+    signature compatibility and ignored, as in Linen."""
+    del reverse, keep_order
+    time_major = _pick(time_major, self.time_major)
+    return_carry = _pick(return_carry, self.return_carry)
+    keys = (None, None)
+    if init_key is not None:
+      keys = tuple(random.split(init_key))
+    carries = (None, None) if initial_carry is None else initial_carry
+    if self.forward_rnn is self.backward_rnn:
+      logging.warning('forward_rnn and backward_rnn are the same object: '
+                      'they share parameters.')
+    common = dict(seq_lengths=seq_lengths, return_carry=True,
+                  time_major=time_major)
+    carry_f, out_f = self.forward_rnn(inputs, initial_carry=carries[0],
+                                      init_key=keys[0], reverse=False,
+                                      **common)
+    carry_b, out_b = self.backward_rnn(inputs, initial_carry=carries[1],
+                                       init_key=keys[1], reverse=True,
+                                       keep_order=True, **common)
+    outputs = jax.tree_util.tree_map(self.merge_fn, out_f, out_b)
+    carry = (carry_f, carry_b)
+    return (carry, outputs) if return_carry else outputs
