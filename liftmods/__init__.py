@@ -42,6 +42,7 @@ from liftmods.layers.recurrent import (RNN, Bidirectional, ConvLSTMCell,
                                        OptimizedLSTMCell, RNNCellBase,
                                        SimpleCell, flip_sequences)
 from liftmods.layers.stochastic import Dropout
+from liftmods.layers.weight_norms import SpectralNorm, WeightNorm
 from liftmods.module import (Module, apply, compact, disable_named_call,
                              enable_named_call, init, init_with_output,
                              override_named_call,
