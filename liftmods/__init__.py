@@ -11,7 +11,8 @@ lifted transforms. ``import liftmods as nn`` runs Linen model code.
 >>> sorted(variables['params'])
 ['Dense_0', 'Dense_1']
 """
-from liftmods import core, errors, initializers
+from liftmods import batch_apply, core, errors, initializers
+from liftmods.batch_apply import BatchApply
 from liftmods.activation import (celu, elu, gelu, glu, hard_sigmoid,
                                  hard_silu, hard_swish, hard_tanh, leaky_relu,
                                  log_sigmoid, log_softmax, logsumexp,

@@ -120,3 +120,28 @@ def test_spectral_norm_rejects_non_matrix_when_asked():
 def test_doctests():
   result = doctest.testmod(weight_norms, optionflags=doctest.ELLIPSIS)
   assert result.attempted > 0 and result.failed == 0
+
+
+def test_batch_apply_matches_linen():
+  x = rand(5, (2, 3, 4))
+  scale = rand(6, (4,))
+  for nn in (fnn, lnn):
+    dense = nn.Dense(5)
+    variables = dense.init(jax.random.key(0), x[0])
+    apply = nn.BatchApply(lambda a, s: (dense.apply(variables, a * s), a),
+                          num_dims=2)
+    out = apply(x, s=scale)
+    if nn is fnn:
+      expected = out
+  assert_identical(expected, out)
+  assert out[0].shape == (2, 3, 5)
+  for nn in (fnn, lnn):
+    with pytest.raises(ValueError, match='at least one input with ndim >= 4'):
+      nn.BatchApply(jnp.sum, num_dims=4)(x)
+  assert lnn.batch_apply.merge_leading_dims(x, 3).shape == (24,)
+  assert not lnn.batch_apply.ndim_at_least(1.0, 1)
+
+
+def test_batch_apply_doctests():
+  result = doctest.testmod(lnn.batch_apply, optionflags=doctest.ELLIPSIS)
+  assert result.attempted > 0 and result.failed == 0
