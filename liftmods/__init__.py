@@ -13,6 +13,10 @@ lifted transforms. ``import liftmods as nn`` runs Linen model code.
 """
 from liftmods import batch_apply, core, errors, initializers
 from liftmods.batch_apply import BatchApply
+from liftmods import fp8_ops
+from liftmods.fp8_ops import (Fp8DirectDotGeneralOp, Fp8DotGeneral,
+                              Fp8DotGeneralOp, Fp8Einsum,
+                              NANOOFp8DotGeneralOp)
 from liftmods.activation import (celu, elu, gelu, glu, hard_sigmoid,
                                  hard_silu, hard_swish, hard_tanh, leaky_relu,
                                  log_sigmoid, log_softmax, logsumexp,
