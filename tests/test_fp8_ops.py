@@ -40,12 +40,14 @@ def assert_identical(expected, actual):
 def train_steps(model, variables, args, steps=3):
   """Forward values and the overwrite-with-gradient updates of a few
   steps; returns [(y, grads)] per step."""
+  def loss(v):
+    y = model.apply(v, *args)
+    return (y ** 2).sum(), y
+
+  step = jax.jit(jax.value_and_grad(loss, has_aux=True))
   out = []
   for _ in range(steps):
-    def loss(v):
-      y = model.apply(v, *args)
-      return (y ** 2).sum(), y
-    (_, y), grads = jax.value_and_grad(loss, has_aux=True)(variables)
+    (_, y), grads = step(variables)
     out.append((y, grads))
     variables = {**variables, OWG: grads[OWG]}
     if 'params' in variables:
