@@ -56,6 +56,10 @@ from liftmods.pooling import avg_pool, max_pool, min_pool, pool
 from liftmods.summary import tabulate
 
 __version__ = '0.1.0'
+# Linen's submodule namespaces (nn.linear, nn.attention, ...).
+from liftmods import (activation, attention, combinators, dtypes,
+                      kw_only_dataclasses, linear, module, normalization,
+                      pooling, recurrent, stochastic, summary, transforms)
 from liftmods.core.lift import broadcast
 from liftmods.transforms import (add_metadata_axis, checkpoint, cond,
                                  custom_vjp, grad, jit, jvp, map_variables,

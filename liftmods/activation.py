@@ -41,3 +41,6 @@ from jax.numpy import tanh as tanh
 # Deprecated spelling kept for compatibility with older Linen code.
 normalize = standardize
 
+# Linen's nn.activation also holds the parametric PReLU module.
+from liftmods.layers.activation_modules import PReLU as PReLU  # pylint: disable=g-import-not-at-top,wrong-import-position
+

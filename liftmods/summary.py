@@ -53,6 +53,7 @@ import numpy as np
 
 from liftmods.core import meta
 from liftmods.core.filters import DenyList
+from liftmods.core.frozen_dict import unfreeze  # nn.summary.unfreeze, as Linen's
 from liftmods.module import Module
 
 # Keyword arguments of ``tabulate`` that ``Module.tabulate`` routes here

@@ -116,7 +116,7 @@ def unfreeze(x: Any) -> Any:
   return x
 
 
-def copy(x: Mapping, add_or_replace: Mapping = ()) -> Mapping:
+def copy(x: Mapping, add_or_replace: Mapping = FrozenDict()) -> Mapping:
   """Returns a shallow copy of ``x`` with ``add_or_replace`` merged in,
   keeping its type (FrozenDict or dict)."""
   if isinstance(x, FrozenDict):

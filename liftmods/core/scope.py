@@ -19,6 +19,7 @@ may be written, so the caller's dict is never mutated).
 >>> apply(dense)(variables, jnp.ones((2, 3)), 4).shape
 (2, 4)
 """
+import contextlib
 import functools
 import types
 import weakref
@@ -128,6 +129,14 @@ class Scope:
 
   def invalidate(self):
     self._invalid = True
+
+  @contextlib.contextmanager
+  def temporary(self):
+    """A context giving this scope and invalidating it on exit."""
+    try:
+      yield self
+    finally:
+      self.invalidate()
 
   def _check_valid(self):
     if self._invalid:

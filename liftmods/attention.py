@@ -1,0 +1,19 @@
+"""``nn.attention``: the attention layers and functions under Linen's
+module path (code in :mod:`liftmods.layers.attention` and
+:mod:`liftmods.attention_fns`).
+
+>>> import liftmods as nn
+>>> nn.attention.SelfAttention is nn.SelfAttention
+True
+"""
+# pylint: disable=unused-import
+from liftmods.attention_fns import (combine_masks, dot_product_attention,
+                                    dot_product_attention_weights,
+                                    make_attention_mask, make_causal_mask)
+from liftmods.dtypes import promote_dtype
+from liftmods.layers.attention import (MultiHeadAttention,
+                                       MultiHeadDotProductAttention,
+                                       SelfAttention)
+from liftmods.layers.linear import DenseGeneral, default_kernel_init
+from liftmods.layers.normalization import LayerNorm
+from liftmods.module import Module, compact, merge_param

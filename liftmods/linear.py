@@ -1,0 +1,14 @@
+"""``nn.linear``: the linear layers under Linen's module path (the code
+lives in :mod:`liftmods.layers.linear`).
+
+>>> import liftmods as nn
+>>> nn.linear.Dense is nn.Dense
+True
+"""
+# pylint: disable=unused-import
+from liftmods.dtypes import promote_dtype
+from liftmods.layers.linear import (Conv, ConvLocal, ConvTranspose, Dense,
+                                    DenseGeneral, Einsum, Embed,
+                                    PromoteDtypeFn, canonicalize_padding,
+                                    default_embed_init, default_kernel_init)
+from liftmods.module import Module, compact

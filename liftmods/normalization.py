@@ -1,0 +1,15 @@
+"""``nn.normalization``: normalization layers and the WeightNorm /
+SpectralNorm wrappers under Linen's module path (code in
+:mod:`liftmods.layers.normalization` and :mod:`liftmods.layers.weight_norms`).
+
+>>> import liftmods as nn
+>>> nn.normalization.SpectralNorm is nn.SpectralNorm
+True
+"""
+# pylint: disable=unused-import
+from liftmods.dtypes import canonicalize_dtype
+from liftmods.layers.normalization import (BatchNorm, GroupNorm,
+                                           InstanceNorm, LayerNorm, RMSNorm)
+from liftmods.layers.weight_norms import SpectralNorm, WeightNorm
+from liftmods.module import Module, compact, merge_param
+from liftmods.transforms import map_variables
