@@ -11,7 +11,7 @@ lifted transforms. ``import liftmods as nn`` runs Linen model code.
 >>> sorted(variables['params'])
 ['Dense_0', 'Dense_1']
 """
-from liftmods import batch_apply, core, errors, initializers
+from liftmods import batch_apply, config, core, errors, initializers
 from liftmods.batch_apply import BatchApply
 from liftmods import fp8_ops
 from liftmods.fp8_ops import (Fp8DirectDotGeneralOp, Fp8DotGeneral,

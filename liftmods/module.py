@@ -31,10 +31,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from liftmods import errors
+from liftmods import config, errors
 from liftmods.core import scope as core
 from liftmods.core.filters import DenyList, union
-from liftmods.core.frozen_dict import FrozenDict
+from liftmods.core.frozen_dict import FrozenDict, freeze
 from liftmods.core.scope import Scope
 
 
@@ -56,7 +56,7 @@ class _Unspecified:
 
 _unspecified_parent = _Unspecified()
 _ids = itertools.count()
-_use_named_call = True
+_use_named_call = config.FLAG_VALUES['flax_profile']
 
 NEW, TRANSFORMED, DONE = 0, 1, 2  # setup states
 
@@ -360,9 +360,14 @@ class Module:
     """Adopts the modules in ``val`` as children named after ``name``."""
     cache = _adoptions.setdefault(self.scope.root, {})
     queue = []
+    preserve = getattr(type(self), 'preserve_adopted_names',
+                       config.FLAG_VALUES['flax_preserve_adopted_names'])
 
     def adopt(suffix, sub):
+      own_name = None
       if sub.parent is None:
+        if preserve:
+          own_name = sub.name
         key = sub._id
         if key in cache:
           sub = cache[key]
@@ -370,7 +375,7 @@ class Module:
           sub = cache[key] = sub.clone(name=None)
       if sub.name is None:
         object.__setattr__(sub, 'parent', self)
-        object.__setattr__(sub, 'name', f'{name}{suffix}')
+        object.__setattr__(sub, 'name', own_name or f'{name}{suffix}')
         queue.append(sub)
       return sub
 
@@ -565,7 +570,10 @@ class Module:
 
   @property
   def variables(self) -> dict:
-    return self._require_scope('list variables').variables()
+    found = self._require_scope('list variables').variables()
+    if config.FLAG_VALUES['flax_return_frozendict']:
+      return freeze(found)
+    return found
 
   @property
   def path(self) -> tuple:

@@ -21,12 +21,16 @@ import jax
 import numpy as np
 
 from liftmods import errors
+from liftmods.config import FLAG_VALUES
 
 
 def hash_suffix(suffix: tuple) -> int:
   """The 32-bit integer folded into a key for a suffix of names/counters."""
   m = hashlib.sha1()
+  separate = FLAG_VALUES['flax_fix_rng_separator']
   for part in suffix:
+    if separate:  # keeps ('ab', 'c') and ('a', 'bc') apart
+      m.update(b'\x00')
     if isinstance(part, str):
       m.update(part.encode('utf-8'))
     elif isinstance(part, int):

@@ -32,7 +32,8 @@ import numpy as np
 from liftmods import errors
 from liftmods.core import meta
 from liftmods.core.filters import in_filter
-from liftmods.core.frozen_dict import FrozenDict, unfreeze
+from liftmods.config import FLAG_VALUES
+from liftmods.core.frozen_dict import FrozenDict, freeze, unfreeze
 from liftmods.core.rngs import LazyKey, as_lazy
 
 _EMPTY = FrozenDict()
@@ -535,7 +536,10 @@ def run(fn: Callable, variables, args, kwargs, rngs=None, mutable=False,
   finally:
     root.invalidate()
   if mutable is not False:
-    return out, root.mutable_variables()
+    mutated = root.mutable_variables()
+    if FLAG_VALUES['flax_return_frozendict']:
+      mutated = freeze(mutated)
+    return out, mutated
   return out
 
 
