@@ -400,3 +400,34 @@ def test_signature_check_can_fail():
   assert _signature_difference(lambda x, y=1: 0, lambda x, y=2: 0)
   assert _signature_difference(lambda x, *, y=1: 0, lambda x, y=1: 0)
   assert _signature_difference(lambda x, y=1: 0, lambda x, y=1: 0) is None
+
+
+@pytest.mark.parametrize('module_name', [
+    'liftmods.linear', 'liftmods.attention', 'liftmods.recurrent',
+    'liftmods.normalization', 'liftmods.combinators', 'liftmods.stochastic',
+    'liftmods.kw_only_dataclasses'])
+def test_alias_module_doctests(module_name):
+  import doctest  # pylint: disable=g-import-not-at-top
+  result = doctest.testmod(importlib.import_module(module_name),
+                           optionflags=doctest.ELLIPSIS)
+  assert result.attempted > 0 and result.failed == 0
+
+
+def test_kw_only_dataclasses():
+  from liftmods import kw_only_dataclasses as kw  # pylint: disable=g-import-not-at-top
+
+  @kw.dataclass(extra_fields=[('tag', str, kw.field(default='t',
+                                                     kw_only=True))])
+  class Base:
+    size: int = kw.field(default=1, kw_only=True)
+
+  @kw.dataclass
+  class Child(Base):
+    width: int
+
+  assert Child(3).size == 1 and Child(3, size=2).size == 2
+  assert Child(3).tag == 't'
+  with pytest.raises(ValueError, match='no default are not supported'):
+    kw.field(kw_only=True)
+  with pytest.raises(ValueError, match='list of'):
+    kw.dataclass(type('X', (), {}), extra_fields=[('a', int, 3)])
