@@ -179,3 +179,36 @@ def test_flip_sequences(time_major, with_lengths):
 def test_doctests():
   result = doctest.testmod(recurrent, optionflags=doctest.ELLIPSIS)
   assert result.attempted > 0 and result.failed == 0
+
+
+def test_rnn_variable_carry_pass_through():
+  def build(nn):
+    class CountingCell(nn.Module):
+      @nn.compact
+      def __call__(self, carry, x):
+        if self.has_variable('counter', 'steps'):  # made before the loop
+          steps = self.variable('counter', 'steps')
+          steps.value += 1
+        return nn.SimpleCell(2)(carry, x)
+
+      @nn.nowrap
+      def initialize_carry(self, rng, shape):
+        return nn.SimpleCell(2, parent=None).initialize_carry(rng, shape)
+
+      @property
+      def num_feature_axes(self):
+        return 1
+
+    return nn.RNN(CountingCell(), variable_carry='counter')
+
+  x = rand(12, (2, 4, 3))
+  outs = []
+  for nn in (fnn, lnn):
+    model = build(nn)
+    variables = {**model.init(jax.random.key(0), x),
+                 'counter': {'cell': {'steps': jnp.array(3, jnp.int32)}}}
+    y, updated = model.apply(variables, x, mutable=['counter'])
+    outs.append((dict(variables), y, dict(updated)))
+  assert_identical(jax.tree_util.tree_map(np.asarray, outs[0]),
+                   jax.tree_util.tree_map(np.asarray, outs[1]))
+  assert int(outs[1][2]['counter']['cell']['steps']) == 3 + 4
