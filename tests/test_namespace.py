@@ -91,6 +91,7 @@ PENDING_OTHER_BRANCH = {
     'nn.partitioning.*': _SPMD,
     'core.spmd': _SPMD,
     'core.meta.get_global_mesh': _SPMD,
+    'core.meta.global_mesh_defined': _SPMD,
     **{f'nn.{n}': _BEHAVE for n in (
         'intercept_methods', 'share_scope', 'compact_name_scope',
         'fold_rngs')},
@@ -149,6 +150,9 @@ def _cases():
   for name in sorted(dir(flax.core)):
     if not name.startswith('_'):
       cases.append(('core', name))
+  for name in sorted(dir(flax.core.meta)):  # also nn.meta
+    if _wanted('meta', name, getattr(flax.core.meta, name)):
+      cases.append(('core.meta', name))
   for name in sorted(dir(flax.errors)):
     obj = getattr(flax.errors, name)
     if inspect.isclass(obj) and issubclass(obj, Exception):
@@ -174,6 +178,8 @@ def _flax_parent(space):
     return flax.core
   if space == 'core.Scope':
     return flax.core.Scope
+  if space == 'core.meta':
+    return flax.core.meta
   return flax.errors
 
 
@@ -188,6 +194,8 @@ def _ours_parent(space):
     return liftmods.core
   if space == 'core.Scope':
     return liftmods.core.Scope
+  if space == 'core.meta':
+    return liftmods.core.meta
   return liftmods.errors
 
 

@@ -40,8 +40,8 @@ class AxisMetadata(abc.ABC):
     """Records that a transform removed the axis at ``index``."""
 
 
-def is_axis_metadata(x) -> bool:
-  return isinstance(x, AxisMetadata)
+def is_axis_metadata(val) -> bool:
+  return isinstance(val, AxisMetadata)
 
 
 def map_axis_meta(fn, tree):
