@@ -41,16 +41,18 @@ from liftmods.layers.recurrent import (ConvLSTMCell, GRUCell, LSTMCell,
                                        MGUCell, OptimizedLSTMCell, RNNCellBase,
                                        SimpleCell)
 from liftmods.layers.stochastic import Dropout
-from liftmods.module import (Module, apply, compact, disable_named_call,
-                             enable_named_call, init, init_with_output,
-                             override_named_call,
-                             merge_param, nowrap)
+from liftmods.module import (Module, apply, compact, compact_name_scope,
+                             disable_named_call, enable_named_call, init,
+                             init_with_output, intercept_methods,
+                             override_named_call, merge_param, nowrap,
+                             share_scope)
 from liftmods.pooling import avg_pool, max_pool, min_pool, pool
 from liftmods.summary import tabulate
 
 __version__ = '0.1.0'
 from liftmods.core.lift import broadcast
 from liftmods.transforms import (add_metadata_axis, checkpoint, cond,
-                                 custom_vjp, grad, jit, jvp, map_variables,
+                                 custom_vjp, fold_rngs, grad, jit, jvp,
+                                 map_variables,
                                  named_call, remat, remat_scan, scan, switch,
                                  value_and_grad, vjp, vmap, while_loop)

@@ -14,10 +14,11 @@ from liftmods.core.frozen_dict import (FrozenDict, copy, freeze, pop,
                                        pretty_repr, unfreeze)
 from liftmods.core import meta
 from liftmods.core.rngs import LazyKey
-from liftmods.core.scope import Scope, Variable, apply, bind, init
+from liftmods.core.scope import (Scope, Variable, apply, bind, init,
+                                 lazy_init)
 
 __all__ = [
     'DenyList', 'in_filter', 'FrozenDict', 'copy', 'freeze', 'pop',
     'pretty_repr', 'unfreeze', 'meta', 'LazyKey', 'Scope', 'Variable',
-    'apply', 'bind', 'init',
+    'apply', 'bind', 'init', 'lazy_init',
 ]
