@@ -929,7 +929,8 @@ class Module:
     >>> class Foo(nn.Module):
     ...   @nn.compact
     ...   def __call__(self, x):
-    ...     return nn.Dense(2)(nn.Dense(4)(x))
+    ...     h = nn.Dense(4)(x)
+    ...     return nn.Dense(2)(h)
     >>> paths = Foo().module_paths(jax.random.key(0), jnp.ones((16, 9)))
     >>> {p: type(m).__name__ for p, m in paths.items()}
     {'': 'Foo', 'Dense_0': 'Dense', 'Dense_1': 'Dense'}
