@@ -461,6 +461,7 @@ class Module:
   _state = _UNINITIALIZED
   _init_field_names: tuple = ()
   _setup_overridden = False
+  _compact_name_scope_methods: tuple = ()
 
   def __init_subclass__(cls, kw_only: bool = False, **kwargs):
     super().__init_subclass__(**kwargs)

@@ -635,7 +635,7 @@ def jit(target, variables=True, rngs=True, static_argnums=(),
   raise errors.TransformTargetError(target)
 
 
-def fold_rngs(target, variables=True, rngs=True, methods=None):
+def fold_rngs(target, variables=True, rngs=True):
   """Runs ``target`` as ``nn.jit`` would, without compiling: each rng
   sequence is forked into a fresh key first and the inside starts from bare
   keys, so random numbers match those of the jitted module.
@@ -653,7 +653,7 @@ def fold_rngs(target, variables=True, rngs=True, methods=None):
     if isinstance(target, functools.partial):
       partial, target = target, target.func
     lifted = {}
-    for fn_name, (_, t_kwargs) in _method_args(methods, (), kwargs).items():
+    for fn_name, (_, t_kwargs) in _method_args(None, (), kwargs).items():
       fn = getattr(target, fn_name)
       lifted[fn_name] = functools.wraps(fn)(
           _jit_lift(fn, fn_name, target, t_kwargs, lift.fold_rngs))

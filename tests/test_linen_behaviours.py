@@ -10,6 +10,7 @@ import contextlib
 import copy
 import doctest
 import gc
+import inspect
 import pickle
 import sys
 from collections.abc import Mapping
@@ -1020,6 +1021,50 @@ def test_scope_child():
 
   y, v, _ = same(run)
   assert sorted(v['params']) == ['bias_0', 'extra0', 'last']
+
+
+# -- signatures ----------------------------------------------------------------------------
+
+
+def _params(fn):
+  return [(p.name, p.kind, p.default if isinstance(
+      p.default, (bool, int, str, type(None))) else type(p.default).__name__)
+          for p in inspect.signature(fn).parameters.values()]
+
+
+@pytest.mark.parametrize('name', [
+    'intercept_methods', 'share_scope', 'compact_name_scope', 'fold_rngs',
+    'Module.lazy_init', 'Module.module_paths',
+])
+def test_signatures_match_linen(name):
+  def get(root):
+    obj = root
+    for part in name.split('.'):
+      obj = getattr(obj, part)
+    return obj
+
+  assert _params(get(lnn)) == _params(get(fnn))
+
+
+@pytest.mark.parametrize('name', ['lazy_init', 'Scope.child'])
+def test_core_signatures_match_flax(name):
+  def get(root):
+    obj = root
+    for part in name.split('.'):
+      obj = getattr(obj, part)
+    return obj
+
+  assert _params(get(liftmods.core)) == _params(get(flax.core))
+
+
+def test_new_error_classes():
+  for name in ('DescriptorAttributeError', 'LazyInitError',
+               'CallShareScopeOnUnboundModuleError',
+               'MultipleMethodsCompactError'):
+    assert issubclass(getattr(errors, name), errors.LiftmodsError)
+    assert hasattr(flax.errors, name)
+  assert str(errors.CallShareScopeOnUnboundModuleError()).startswith(
+      str(flax.errors.CallShareScopeOnUnboundModuleError()).split(' (')[0])
 
 
 # -- doctests of the new APIs --------------------------------------------------------------
