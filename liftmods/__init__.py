@@ -48,10 +48,11 @@ from liftmods.layers.recurrent import (RNN, Bidirectional, ConvLSTMCell,
                                        SimpleCell, flip_sequences)
 from liftmods.layers.stochastic import Dropout
 from liftmods.layers.weight_norms import SpectralNorm, WeightNorm
-from liftmods.module import (Module, apply, compact, disable_named_call,
-                             enable_named_call, init, init_with_output,
-                             override_named_call,
-                             merge_param, nowrap)
+from liftmods.module import (Module, apply, compact, compact_name_scope,
+                             disable_named_call, enable_named_call, init,
+                             init_with_output, intercept_methods,
+                             override_named_call, merge_param, nowrap,
+                             share_scope)
 from liftmods.pooling import avg_pool, max_pool, min_pool, pool
 from liftmods.summary import tabulate
 
@@ -62,6 +63,7 @@ from liftmods import (activation, attention, combinators, dtypes,
                       pooling, recurrent, stochastic, summary, transforms)
 from liftmods.core.lift import broadcast
 from liftmods.transforms import (add_metadata_axis, checkpoint, cond,
-                                 custom_vjp, grad, jit, jvp, map_variables,
+                                 custom_vjp, fold_rngs, grad, jit, jvp,
+                                 map_variables,
                                  named_call, remat, remat_scan, scan, switch,
                                  value_and_grad, vjp, vmap, while_loop)

@@ -95,8 +95,10 @@ class InvalidRngError(LiftmodsError):
         f'given. Pass rngs={{"{rng_name}": key}} to init() or apply().')
 
 
-class InvalidRngTypeError(InvalidRngError):
-  """An rng passed in is not a PRNG key."""
+class InvalidRngTypeError(InvalidRngError, ValueError):
+  """An rng passed in is not a PRNG key. Also a ValueError: that is what
+  Linen raises for a bad value in an rngs dict or for the functional
+  init/apply."""
 
   def __init__(self, rng_name, value):
     LiftmodsError.__init__(
@@ -308,3 +310,36 @@ class PartitioningUnspecifiedError(LiftError):
         'that adds an axis, but metadata_params has no "partition_name". '
         'Pass metadata_params={"partition_name": "layers"} (or None for an '
         'unsharded axis).')
+
+
+class DescriptorAttributeError(LiftmodsError):
+  """A property (or other descriptor) of a module raised AttributeError,
+  e.g. because it reads a field that does not exist."""
+
+  def __init__(self, prop='', cls=''):
+    where = f' ("{prop}" of {cls})' if prop and cls else ''
+    super().__init__(
+        'Trying to access a property that is accessing a non-existent '
+        f'attribute{where}. The AttributeError raised inside it is chained '
+        'below.')
+
+
+class LazyInitError(LiftmodsError):
+  """lazy_init produced a variable that depends on an input given only as a
+  jax.ShapeDtypeStruct."""
+
+  def __init__(self, partial_val):
+    super().__init__(
+        'Lazy init encountered a value that could with the given inputs '
+        f'(shape: {partial_val}). A variable depends on an input passed as a '
+        'jax.ShapeDtypeStruct: pass a concrete array for that input, or use '
+        'init().')
+
+
+class CallShareScopeOnUnboundModuleError(LiftmodsError):
+  """share_scope is called with a module that is not bound."""
+
+  def __init__(self):
+    super().__init__(
+        "Can't call `share_scope` on unbound modules: call it inside setup() "
+        'or a @compact method, where both modules are bound.')

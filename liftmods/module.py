@@ -19,6 +19,7 @@ inline in a ``@compact`` method (auto-named ``ClassName_N``) or assigned in
 >>> jax.tree_util.tree_map(jnp.shape, variables)
 {'params': {'b': (4,), 'w': (3, 4)}}
 """
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -32,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from liftmods import config, errors
+from liftmods.core import partial_eval
 from liftmods.core import scope as core
 from liftmods.core.filters import DenyList, union
 from liftmods.core.frozen_dict import FrozenDict, freeze
@@ -43,15 +45,31 @@ class _Context(threading.local):
   def __init__(self):
     self.module_stack = [None]
     self.capture_stack = []
+    self.interceptors = []
 
 
 _context = _Context()
 
 
 class _Unspecified:
+  """The default of ``parent``: take the module being run as the parent.
+  A singleton, kept identical by copy, deepcopy and pickle."""
 
   def __repr__(self):
     return '<unspecified parent>'
+
+  def __copy__(self):
+    return self
+
+  def __deepcopy__(self, memo):
+    return self
+
+  def __reduce__(self):
+    return _get_unspecified_parent, ()
+
+
+def _get_unspecified_parent():
+  return _unspecified_parent
 
 
 _unspecified_parent = _Unspecified()
@@ -132,10 +150,48 @@ _UNINITIALIZED = _State()
 
 
 def compact(fun):
-  """Marks the one method of a module that may define submodules and
-  variables inline."""
+  """Marks a method that may define submodules and variables inline.
+
+  A module may have several compact methods (as in Linen): automatic names
+  continue across the ones that run within one outer call.
+  """
   fun.compact = True
   return fun
+
+
+def compact_name_scope(fun):
+  """Marks a method whose inline submodules live under a child named after
+  the method (Haiku-style name scopes), e.g. ``up/Dense_0``.
+
+  The method runs inside a ``CompactNameScope`` child created when the
+  module is set up; it can also be the ``method=`` of init/apply.
+
+  >>> import jax, jax.numpy as jnp, liftmods as nn
+  >>> class Foo(nn.Module):
+  ...   @nn.compact_name_scope
+  ...   def up(self, x):
+  ...     return nn.Dense(3)(x)
+  ...   def __call__(self, x):
+  ...     return self.up(x)
+  >>> params = Foo().init(jax.random.key(0), jnp.ones((1, 2)))['params']
+  >>> list(params['up'])
+  ['Dense_0']
+  """
+
+  @functools.wraps(fun)
+  def name_scope_method(self, *args, **kwargs):
+    name = fun.__name__
+    if not hasattr(self, '_compact_name_scope_modules'):
+      raise ValueError(
+          f'Cannot call compact_name_scope method {name!r} on a Module that '
+          'has not been setup: it only works inside init/apply (or on a '
+          f'bound module); got an unbound {type(self).__name__}.')
+    return self._compact_name_scope_modules[name](*args, **kwargs)
+
+  name_scope_method.compact_name_scope = True
+  name_scope_method.inner_fun = fun
+  name_scope_method.nowrap = True
+  return name_scope_method
 
 
 def nowrap(fun):
@@ -143,6 +199,138 @@ def nowrap(fun):
   handling (e.g. one that only builds submodules for a caller)."""
   fun.nowrap = True
   return fun
+
+
+# -- method interceptors ---------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class InterceptorContext:
+  """What an interceptor sees of the intercepted call: the module, the
+  method's name, and ``orig_method`` (the bound method itself; calling it
+  skips the remaining interceptors)."""
+
+  module: 'Module'
+  method_name: str
+  orig_method: Callable[..., Any]
+
+
+@contextlib.contextmanager
+def intercept_methods(interceptor):
+  """Routes every wrapped module method call made in this thread through
+  ``interceptor(next_fun, args, kwargs, context)`` for the ``with`` body.
+
+  Interceptors nest: the one registered first runs first. Methods marked
+  ``nowrap``, dunder methods other than ``__call__``, fields and
+  descriptors are not intercepted.
+
+  >>> import jax.numpy as jnp, liftmods as nn
+  >>> class Foo(nn.Module):
+  ...   def __call__(self, x):
+  ...     return x
+  >>> def double(next_fun, args, kwargs, context):
+  ...   return 2 * next_fun(*args, **kwargs)
+  >>> with nn.intercept_methods(double):
+  ...   print(Foo()(jnp.ones(1)))
+  [2.]
+  """
+  stack = _context.interceptors
+  stack.append(interceptor)
+  try:
+    yield
+  finally:
+    stack.pop()
+
+
+def run_interceptors(orig_method, module, *args, **kwargs):
+  """Calls ``orig_method(module, *args, **kwargs)`` through this thread's
+  interceptors, outermost (first registered) first."""
+  bound = functools.partial(orig_method, module)
+  context = InterceptorContext(module, _fn_name(orig_method), bound)
+  fun = bound
+  for interceptor in reversed(_context.interceptors):
+    fun = _intercepted(interceptor, fun, context)
+  return fun(*args, **kwargs)
+
+
+def _intercepted(interceptor, fun, context):
+
+  @functools.wraps(fun)
+  def call(*args, **kwargs):
+    return interceptor(fun, args, kwargs, context)
+
+  return call
+
+
+def _fn_name(fun) -> str:
+  if isinstance(fun, functools.partial):
+    return _fn_name(fun.func)
+  return getattr(fun, '__name__', 'unnamed')
+
+
+# -- descriptors ---------------------------------------------------------------------
+
+
+def _wrap_descriptor(descriptor):
+  """``descriptor`` behind a proxy whose ``__get__`` turns an AttributeError
+  raised inside the getter into ``DescriptorAttributeError`` (otherwise
+  Python would fall back to ``Module.__getattr__`` and report the property
+  itself as missing). Data and non-data descriptors stay what they were."""
+  if isinstance(descriptor, _DescriptorProxy):
+    return descriptor
+  namespace = {}
+  if hasattr(descriptor, '__isabstractmethod__'):
+    namespace['__isabstractmethod__'] = descriptor.__isabstractmethod__
+  for method in ('__set__', '__delete__', '__set_name__'):
+    if hasattr(descriptor, method):
+      namespace[method] = _forward(method)
+  if hasattr(descriptor, '__get__'):
+    namespace['__get__'] = _DescriptorProxy._get
+  proxy_cls = type('DescriptorProxy', (_DescriptorProxy,), namespace)
+  return proxy_cls(descriptor)
+
+
+def _forward(method):
+
+  def forward(self, *args, **kwargs):
+    return getattr(self.wrapped, method)(*args, **kwargs)
+
+  forward.__name__ = method
+  return forward
+
+
+class _DescriptorProxy:
+  """Base of the proxies made by ``_wrap_descriptor``."""
+
+  def __init__(self, wrapped):
+    self.wrapped = wrapped
+
+  def _get(self, instance, owner=None):
+    try:
+      return self.wrapped.__get__(instance, owner)
+    except AttributeError as e:
+      name = getattr(self.wrapped, '__name__', None) or getattr(
+          getattr(self.wrapped, 'fget', None), '__name__', '?')
+      raise errors.DescriptorAttributeError(
+          name, getattr(owner, '__name__', '')) from e
+
+  def __getattr__(self, name):
+    if 'wrapped' not in vars(self):
+      raise AttributeError(name)
+    return getattr(self.wrapped, name)
+
+
+def _local_descriptors(cls, exclude):
+  """Names of the descriptors (properties, ...) defined in ``cls`` itself."""
+  out = []
+  for name, attr in cls.__dict__.items():
+    if name in exclude or callable(attr):
+      continue
+    if isinstance(attr, (staticmethod, classmethod)):
+      continue
+    if any(hasattr(attr, m) for m in ('__get__', '__set__', '__delete__')):
+      out.append(name)
+  return out
 
 
 def _wrap_method(fun):
@@ -205,6 +393,34 @@ def _map_modules(fn, val, suffix=''):
   return val
 
 
+def _module_items(val, path=()):
+  """``[(path, module)]`` for the modules nested in lists/tuples/dicts; path
+  entries are strings (list positions too), as Linen names them."""
+  if isinstance(val, Module):
+    return [(path, val)]
+  if isinstance(val, (dict, FrozenDict)):
+    items = val.items()
+  elif isinstance(val, (list, tuple)) and not hasattr(val, '_fields'):
+    items = enumerate(val)
+  else:
+    return []
+  out = []
+  for k, v in items:
+    out += _module_items(v, path + (str(k),))
+  return out
+
+
+def _adopt_shared_first(adopt, val):
+  """When one module instance sits at several places of ``val``, adopts it
+  at the first place in sorted path order (as Linen does), so that it is
+  shared under that one name."""
+  items = _module_items(val)
+  if len({id(m) for _, m in items}) == len(items):
+    return
+  for path, sub in sorted(items, key=lambda item: item[0]):
+    adopt('_' + '_'.join(path), sub)
+
+
 def _freeze_attr(val):
   if isinstance(val, (dict, FrozenDict)):
     return FrozenDict({k: _freeze_attr(v) for k, v in val.items()},
@@ -215,8 +431,11 @@ def _freeze_attr(val):
 
 
 # root scope -> {module id: adopted clone}, so one outside module shared by
-# two fields is adopted once.
-_adoptions: 'weakref.WeakKeyDictionary[Scope, dict]' = weakref.WeakKeyDictionary()
+# two fields is adopted once. Both levels are weak: an adopted clone refers to
+# its root scope, and a strong value would keep the root (and the arrays or
+# tracers it holds) alive for good.
+_adoptions: 'weakref.WeakKeyDictionary[Scope, weakref.WeakValueDictionary]' = (
+    weakref.WeakKeyDictionary())
 
 _COPY_PICKLE = frozenset(('__getstate__', '__setstate__', '__getnewargs_ex__',
                           '__reduce__', '__reduce_ex__', '__copy__',
@@ -242,6 +461,7 @@ class Module:
   _state = _UNINITIALIZED
   _init_field_names: tuple = ()
   _setup_overridden = False
+  _compact_name_scope_methods: tuple = ()
 
   def __init_subclass__(cls, kw_only: bool = False, **kwargs):
     super().__init_subclass__(**kwargs)
@@ -250,11 +470,9 @@ class Module:
     cls._init_field_names = tuple(
         f.name for f in dataclasses.fields(cls) if f.init)
     cls._setup_overridden = cls.setup is not Module.setup
-    compact_names = {n for n in dir(cls)
-                     if getattr(getattr(cls, n, None), 'compact', False)}
-    if len(compact_names) > 1:
-      raise errors.MultipleMethodsCompactError(
-          f'{cls.__name__} (methods {sorted(compact_names)})')
+    cls._compact_name_scope_methods = tuple(
+        n for n in dir(cls)
+        if getattr(getattr(cls, n, None), 'compact_name_scope', False))
 
   @classmethod
   def _dataclass_transform(cls, kw_only: bool):
@@ -294,6 +512,10 @@ class Module:
       if getattr(attr, 'nowrap', False):
         continue
       setattr(cls, key, _wrap_method(attr))
+    for key in _local_descriptors(cls, fields | {'parent', '__dict__'}):
+      attr = cls.__dict__[key]
+      if not getattr(attr, 'nowrap', False):
+        setattr(cls, key, _wrap_descriptor(attr))
 
   # -- construction ------------------------------------------------------------
 
@@ -304,8 +526,7 @@ class Module:
     if parent is _unspecified_parent:
       parent = _context.module_stack[-1]
       object.__setattr__(self, 'parent', parent)
-    if parent is None:
-      self._state.initialized = True
+    if parent is None:  # a top-level module stays settable until bound
       return
     if isinstance(parent, Module):
       if not self._attach_to(parent):
@@ -358,7 +579,10 @@ class Module:
 
   def _register_submodules(self, name: str, val):
     """Adopts the modules in ``val`` as children named after ``name``."""
-    cache = _adoptions.setdefault(self.scope.root, {})
+    root = self.scope.root
+    cache = _adoptions.get(root)
+    if cache is None:
+      cache = _adoptions[root] = weakref.WeakValueDictionary()
     queue = []
     preserve = getattr(type(self), 'preserve_adopted_names',
                        config.FLAG_VALUES['flax_preserve_adopted_names'])
@@ -366,13 +590,14 @@ class Module:
     def adopt(suffix, sub):
       own_name = None
       if sub.parent is None:
-        if preserve:
+        if preserve or isinstance(sub, CompactNameScope):
           own_name = sub.name
         key = sub._id
-        if key in cache:
-          sub = cache[key]
-        else:
-          sub = cache[key] = sub.clone(name=None)
+        hit = cache.get(key)
+        if hit is None:
+          hit = sub.clone(name=None)
+          cache[key] = hit
+        sub = hit
       if sub.name is None:
         object.__setattr__(sub, 'parent', self)
         object.__setattr__(sub, 'name', own_name or f'{name}{suffix}')
@@ -380,6 +605,8 @@ class Module:
       return sub
 
     if _has_module(val):
+      if not isinstance(val, Module):
+        _adopt_shared_first(adopt, val)
       val = _map_modules(adopt, val)
     object.__setattr__(self, name, _freeze_attr(val))
     for sub in queue:
@@ -432,10 +659,22 @@ class Module:
         self._bind_fields()
       if not shallow:
         self.setup()
+        if self._compact_name_scope_methods:
+          self._make_name_scopes()
     finally:
       state.in_setup = False
       if not shallow:
         state.setup_called = DONE
+
+  def _make_name_scopes(self):
+    """One ``CompactNameScope`` child per ``@compact_name_scope`` method.
+    Like Linen, they are built after ``setup()`` returns, so their parent is
+    whichever module is running then (see docs/architecture.md)."""
+    cls = type(self)
+    self._compact_name_scope_modules = {
+        name: CompactNameScope(getattr(cls, name).inner_fun,
+                               lambda: self, name=name)
+        for name in self._compact_name_scope_methods}
 
   @property
   def _initialization_allowed(self) -> bool:
@@ -458,18 +697,21 @@ class Module:
         raise errors.CallCompactUnboundModuleError(type(self).__name__)
       recurrent = state.in_compact
       state.in_compact = True
-    stack = _context.module_stack
+    context = _context
+    stack = context.module_stack
     stack.append(self)
     try:
+      run = (functools.partial(run_interceptors, fun) if context.interceptors
+             else fun)
       if _use_named_call and self.scope is not None:
         label = self.name or type(self).__name__
         if fun_name != '__call__':
           label = f'{label}.{fun_name}'
         with jax.named_scope(label):
-          y = fun(self, *args, **kwargs)
+          y = run(self, *args, **kwargs)
       else:
-        y = fun(self, *args, **kwargs)
-      capture = _context.capture_stack
+        y = run(self, *args, **kwargs)
+      capture = context.capture_stack
       if capture and capture[-1] and capture[-1](self, fun_name):
         self.sow('intermediates', fun_name, y)
       return y
@@ -663,6 +905,47 @@ class Module:
         rngs, *args, method=method, mutable=mutable,
         capture_intermediates=capture_intermediates, **kwargs)[1]
 
+  def lazy_init(self, rngs, *args, method=None,
+                mutable=DenyList('intermediates'), **kwargs):
+    """Initializes the variables without computing on the inputs: inputs
+    may be ``jax.ShapeDtypeStruct``s (only their shapes and dtypes are
+    used). A variable whose value depends on such an input raises
+    ``LazyInitError``.
+
+    >>> import jax, jax.numpy as jnp, liftmods as nn
+    >>> big = jax.ShapeDtypeStruct((1 << 28, 1024), jnp.float32)  # 1 TB
+    >>> variables = nn.Dense(2).lazy_init(jax.random.key(0), big)
+    >>> variables['params']['kernel'].shape
+    (1024, 2)
+    """
+    Module._module_checks(self)
+
+    def init_variables(rngs, *args, **kwargs):
+      return self.init(rngs, *args, method=method, mutable=mutable, **kwargs)
+
+    return partial_eval.lazy_init(init_variables)(rngs, *args, **kwargs)
+
+  def module_paths(self, rngs, *args, show_repeated: bool = False,
+                   mutable=DenyList('intermediates'), **kwargs) -> dict:
+    """``{path: unbound copy of the module called there}`` for every module
+    that ``init`` calls (the root is ``''``); runs under ``jax.eval_shape``,
+    so nothing is computed.
+
+    >>> import jax, jax.numpy as jnp, liftmods as nn
+    >>> class Foo(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     h = nn.Dense(4)(x)
+    ...     return nn.Dense(2)(h)
+    >>> paths = Foo().module_paths(jax.random.key(0), jnp.ones((16, 9)))
+    >>> {p: type(m).__name__ for p, m in paths.items()}
+    {'': 'Foo', 'Dense_0': 'Dense', 'Dense_1': 'Dense'}
+    """
+    from liftmods.summary import module_calls
+    calls = module_calls(self, rngs, args, {'mutable': mutable, **kwargs},
+                         show_repeated)
+    return {'/'.join(c.path): c.module.copy(parent=None) for c in calls}
+
   def bind(self, variables, *args, rngs=None, mutable=False):
     """A bound copy of this module for interactive use."""
     Module._module_checks(self)
@@ -822,3 +1105,69 @@ def merge_param(name: str, a, b):
     raise ValueError(f'Parameter "{name}" was passed to the constructor and '
                      'at call time; pass it once.')
   return a if a is not None else b
+
+
+# -- name scopes and shared scopes -----------------------------------------------
+
+class CompactNameScope(Module):
+  """The child that runs a ``@compact_name_scope`` method: ``fn`` is the
+  undecorated method, called on ``module_fn()`` (the owning module) while
+  this child is the running compact module, so inline submodules are named
+  under it."""
+
+  fn: Callable
+  module_fn: Callable
+
+  @compact
+  def __call__(self, *args, **kwargs):
+    return self.fn(self.module_fn(), *args, **kwargs)
+
+
+def share_scope(module: Module, other: Module, /):
+  """Makes ``module`` and ``other`` use one scope, so that their variables
+  live together (e.g. a LoRA wrapper adding ``A``/``B`` next to the kernel
+  of the Dense it wraps).
+
+  If ``other``'s scope lies inside ``module``'s, ``other`` moves to
+  ``module``'s scope; otherwise ``module`` moves to ``other``'s. Children
+  already created under the moved module follow it.
+
+  >>> import jax, jax.numpy as jnp, liftmods as nn
+  >>> class LoRA(nn.Module):
+  ...   base: nn.Dense
+  ...   def setup(self):
+  ...     nn.share_scope(self, self.base)
+  ...   @nn.compact
+  ...   def __call__(self, x):
+  ...     a = self.param('A', nn.initializers.zeros, (x.shape[-1], 2))
+  ...     return self.base(x) + x @ a @ jnp.ones((2, self.base.features))
+  >>> class Model(nn.Module):
+  ...   @nn.compact
+  ...   def __call__(self, x):
+  ...     return LoRA(nn.Dense(3))(x)
+  >>> params = Model().init(jax.random.key(0), jnp.ones((1, 4)))['params']
+  >>> sorted(params['Dense_0'])
+  ['A', 'bias', 'kernel']
+  """
+  if module.scope is None or other.scope is None:
+    raise errors.CallShareScopeOnUnboundModuleError()
+  if _is_within(other.scope, module.scope):
+    moved, target = other, module.scope
+  else:
+    moved, target = module, other.scope
+  old = moved.scope
+  object.__setattr__(moved, 'scope', target)
+  for child in moved._state.children.values():
+    if isinstance(child, Module) and child.scope is not None and (
+        child.scope.parent is old):
+      if isinstance(child.scope.name, str):
+        target.reserve(child.scope.name)
+      child.scope.parent = target
+
+
+def _is_within(scope: Scope, ancestor: Scope) -> bool:
+  while scope is not None:
+    if scope is ancestor:
+      return True
+    scope = scope.parent
+  return False

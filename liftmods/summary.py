@@ -194,6 +194,22 @@ def _record_init(module, rngs, args, kwargs):
   return calls, variables
 
 
+def module_calls(module, rngs, args, kwargs, show_repeated=False) -> list:
+  """The recorded method calls of an abstract ``module.init(rngs, *args,
+  **kwargs)``, parents first; only the first call per path unless
+  ``show_repeated``."""
+  calls, _ = _record_init(module, rngs, args, kwargs)
+  if show_repeated:
+    return calls
+  seen = set()
+  first = []
+  for c in calls:
+    if c.path not in seen:
+      seen.add(c.path)
+      first.append(c)
+  return first
+
+
 def _call_flops(call: _Call, rngs, vjp: bool) -> int:
   """XLA's FLOP estimate for re-running ``call`` on its own module copy."""
   module = call.module.clone(parent=None, name=None, _deep_clone=True)

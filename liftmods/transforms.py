@@ -430,8 +430,11 @@ def while_loop(cond_fn, body_fn, mdl, init, carry_variables=False,
                broadcast_variables=True, split_rngs=FrozenDict()):
   """``lax.while_loop`` over ``body_fn(mdl, carry)``; ``carry_variables``
   collections are updated every iteration."""
-  return lift_direct(lift.while_loop, (cond_fn, body_fn), mdl, init,
-                     carry_variables, broadcast_variables, split_rngs)
+  def loop(cond, body, scopes, carry):  # options are not call arguments
+    return lift.while_loop(cond, body, scopes, carry, carry_variables,
+                           broadcast_variables, split_rngs)
+
+  return lift_direct(loop, (cond_fn, body_fn), mdl, init)
 
 
 def _cond(true_fn, false_fn, scope, pred, *operands, variables, rngs):
@@ -570,9 +573,10 @@ class _forked_rngs:
     self.scope.rngs = self.saved
 
 
-def _jit_lift(fn, fn_name, cls, trafo_kwargs):
+def _jit_lift(fn, fn_name, cls, trafo_kwargs, transform=lift.jit):
   """``fn(module, *args)`` under a lifted jit whose compile cache is keyed
-  by the module's configuration (so repeated applies hit it)."""
+  by the module's configuration (so repeated applies hit it). With
+  ``transform=lift.fold_rngs``: the same rng handling, without compiling."""
   core = None
 
   def scope_fn(scopes, module_key, *args, **kwargs):
@@ -583,10 +587,14 @@ def _jit_lift(fn, fn_name, cls, trafo_kwargs):
   def lifted(self, *args, **kwargs):
     nonlocal core
     if core is None:
-      core = lift.jit(scope_fn, **trafo_kwargs)
+      core = transform(scope_fn, **trafo_kwargs)
     with _forked_rngs(self):
       scopes, args, kwargs = get_module_scopes(self, args, kwargs)
-      return core(scopes, _ModuleKey(self), *args, **kwargs)
+      key = _ModuleKey(self)
+      try:
+        return core(scopes, key, *args, **kwargs)
+      finally:
+        key.module = None  # the cache keeps the key: not the bound module
 
   return lifted
 
@@ -624,4 +632,38 @@ def jit(target, variables=True, rngs=True, static_argnums=(),
     fn = _wrap_method(target)
     fn_name = getattr(target, '__name__', 'fn')
     return functools.wraps(fn)(_jit_lift(fn, fn_name, None, kwargs))
+  raise errors.TransformTargetError(target)
+
+
+def fold_rngs(target, variables=True, rngs=True):
+  """Runs ``target`` as ``nn.jit`` would, without compiling: each rng
+  sequence is forked into a fresh key first and the inside starts from bare
+  keys, so random numbers match those of the jitted module.
+
+  >>> import jax, jax.numpy as jnp, liftmods as nn
+  >>> FoldedDense = nn.fold_rngs(nn.Dense)
+  >>> variables = FoldedDense(3).init(jax.random.key(0), jnp.ones((1, 2)))
+  >>> jit_variables = nn.jit(nn.Dense)(3).init(jax.random.key(0), jnp.ones((1, 2)))
+  >>> bool((variables['params']['kernel'] == jit_variables['params']['kernel']).all())
+  True
+  """
+  kwargs = dict(variables=variables, rngs=rngs)
+  if _is_module_class(target):
+    partial = None
+    if isinstance(target, functools.partial):
+      partial, target = target, target.func
+    lifted = {}
+    for fn_name, (_, t_kwargs) in _method_args(None, (), kwargs).items():
+      fn = getattr(target, fn_name)
+      lifted[fn_name] = functools.wraps(fn)(
+          _jit_lift(fn, fn_name, target, t_kwargs, lift.fold_rngs))
+    new_cls = type('Fold_rngs' + target.__name__, (target,), lifted)
+    if partial is not None:
+      return functools.partial(new_cls, *partial.args, **partial.keywords)
+    return new_cls
+  if callable(target) and not isinstance(target, Module):
+    fn = _wrap_method(target)
+    fn_name = getattr(target, '__name__', 'fn')
+    return functools.wraps(fn)(_jit_lift(fn, fn_name, None, kwargs,
+                                         lift.fold_rngs))
   raise errors.TransformTargetError(target)

@@ -11,6 +11,7 @@ MODULES = [
     'liftmods.core.rngs',
     'liftmods.core.frozen_dict',
     'liftmods.core.meta',
+    'liftmods.core.partial_eval',
     'liftmods.errors',
 ]
 

@@ -904,8 +904,9 @@ class TestErrors:
       apply(lambda s: s.push('enc').param('kernel', zeros_init, (1,)))({})
     msg = str(info.value)
     assert '"params"' in msg and '"kernel"' in msg and '/enc' in msg
-    # The child's slice of 'params' is empty too: still "collection missing".
-    with pytest.raises(errors.ScopeCollectionNotFound):
+    # 'params' exists at the root but not for this child: as in Linen, that
+    # is a missing parameter, not a missing collection.
+    with pytest.raises(errors.ScopeParamNotFoundError):
       apply(lambda s: s.push('enc').param('kernel', zeros_init, (1,)))(
           {'params': {'dec': {'kernel': 0}}})
 

@@ -320,46 +320,8 @@ def test_reassign_dataclass_field_in_setup():
 # -- class definition errors ---------------------------------------------------------------
 
 
-def test_two_compact_methods_rejected_at_class_creation():
-  # NOTE: flax 0.12.8 accepts this class (its MultipleMethodsCompactError is
-  # never raised); liftmods rejects it by design, when the class is created.
-  with pytest.raises(errors.MultipleMethodsCompactError) as info:
-
-    class TwoCompact(lnn.Module):
-      @lnn.compact
-      def __call__(self, x):
-        return x
-
-      @lnn.compact
-      def other(self, x):
-        return x
-
-  msg = str(info.value)
-  assert 'TwoCompact' in msg and '__call__' in msg and 'other' in msg
-
-
-def test_second_compact_method_added_by_subclass_rejected():
-
-  class A(lnn.Module):
-    @lnn.compact
-    def __call__(self, x):
-      return x
-
-  with pytest.raises(errors.MultipleMethodsCompactError) as info:
-
-    class B(A):
-      @lnn.compact
-      def encode(self, x):
-        return x
-
-  assert 'B' in str(info.value) and 'encode' in str(info.value)
-
-  class C(A):  # overriding the compact method itself is fine
-    @lnn.compact
-    def __call__(self, x):
-      return 2 * x
-
-  assert float(C().apply({}, jnp.ones(()))) == 2.0
+# Several @compact methods on one class are allowed, as in Linen: see
+# tests/test_linen_behaviours.py.
 
 
 def test_reserved_field_names():

@@ -80,7 +80,6 @@ EXCLUDED = {
 }
 
 _SPMD = 'branch h/spmd (partitioning / SPMD names)'
-_BEHAVE = 'branch h/behave (Linen behaviours)'
 PENDING_OTHER_BRANCH = {
     **{f'nn.{n}': _SPMD for n in (
         'LogicallyPartitioned', 'get_logical_axis_rules', 'logical_axis_rules',
@@ -92,16 +91,6 @@ PENDING_OTHER_BRANCH = {
     'core.spmd': _SPMD,
     'core.meta.get_global_mesh': _SPMD,
     'core.meta.global_mesh_defined': _SPMD,
-    **{f'nn.{n}': _BEHAVE for n in (
-        'intercept_methods', 'share_scope', 'compact_name_scope',
-        'fold_rngs')},
-    'core.lazy_init': _BEHAVE,
-    'nn.Module.lazy_init': _BEHAVE,
-    'nn.Module.module_paths': _BEHAVE,
-    'core.Scope.child': _BEHAVE,
-    'errors.DescriptorAttributeError': _BEHAVE,
-    'errors.LazyInitError': _BEHAVE,
-    'errors.CallShareScopeOnUnboundModuleError': _BEHAVE,
 }
 
 # -- the walk ------------------------------------------------------------------

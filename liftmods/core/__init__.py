@@ -18,7 +18,8 @@ from liftmods.core.frozen_dict import (FrozenDict, copy, freeze, pop,
                                        pretty_repr, unfreeze)
 from liftmods.core import meta
 from liftmods.core.rngs import LazyKey
-from liftmods.core.scope import Scope, Variable, apply, bind, init
+from liftmods.core.scope import (Scope, Variable, apply, bind, init,
+                                 lazy_init)
 from liftmods.core.lift import (broadcast, custom_vjp, jit, jvp, remat,
                                 remat_scan, scan, vjp, vmap, while_loop)
 from liftmods.core.meta import AxisMetadata, map_axis_meta, unbox
@@ -30,7 +31,7 @@ from liftmods.core.filters import (filter_to_set, intersect, is_empty,
 __all__ = [
     'DenyList', 'in_filter', 'FrozenDict', 'copy', 'freeze', 'pop',
     'pretty_repr', 'unfreeze', 'meta', 'LazyKey', 'Scope', 'Variable',
-    'apply', 'bind', 'init', 'broadcast', 'custom_vjp', 'jit', 'jvp',
+    'apply', 'bind', 'init', 'lazy_init', 'broadcast', 'custom_vjp', 'jit', 'jvp',
     'remat', 'remat_scan', 'scan', 'vjp', 'vmap', 'while_loop',
     'AxisMetadata', 'map_axis_meta', 'unbox', 'filter_to_set', 'intersect',
     'is_empty', 'subtract', 'union', 'Array', 'tracers', 'current_trace',

@@ -10,7 +10,7 @@
 """
 import abc
 import dataclasses
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import jax
 
@@ -19,9 +19,14 @@ from liftmods import errors
 PARTITION_NAME = 'partition_name'
 
 
-class AxisMetadata(abc.ABC):
+A = TypeVar('A')
+
+
+class AxisMetadata(Generic[A], metaclass=abc.ABCMeta):
   """A box around a variable value; subclasses must be pytrees whose only
-  child is the boxed value."""
+  child is the boxed value. Generic in the boxed type, as in Linen
+  (``AxisMetadata[jax.Array]``), and free of metaclass conflicts with
+  dataclass-based pytree bases such as ``flax.struct.PyTreeNode``."""
 
   @abc.abstractmethod
   def unbox(self) -> Any:

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from liftmods import errors
-from liftmods.core import meta
+from liftmods.core import meta, partial_eval
 from liftmods.core.filters import in_filter
 from liftmods.config import FLAG_VALUES
 from liftmods.core.frozen_dict import FrozenDict, freeze, unfreeze
@@ -91,6 +91,18 @@ def _has_boxes(tree) -> bool:
 
 def _same_structure(a, b) -> bool:
   return (jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b))
+
+
+def _merge_put(target: dict, value: Mapping):
+  """Writes the entries of ``value`` into the existing dict ``target`` in
+  place (recursively), so child scopes that already hold ``target`` see the
+  new values. Entries of ``target`` missing from ``value`` stay, as in
+  Linen."""
+  for k, v in value.items():
+    if k in target and type(target[k]) is dict and isinstance(v, Mapping):
+      _merge_put(target[k], v)
+    else:
+      target[k] = v
 
 
 class Scope:
@@ -256,7 +268,9 @@ class Scope:
     return found
 
   def is_collection_empty(self, col: str) -> bool:
-    return not self._collection(col)
+    """Whether ``col`` is absent or empty at the root (Linen's meaning: a
+    collection that holds nothing anywhere in the model)."""
+    return not self.root._variables.get(col)
 
   def variables(self) -> dict:
     """All of this scope's collections, ``{collection: {name: value}}``."""
@@ -284,7 +298,12 @@ class Scope:
     self._check_valid()
     if not self.is_mutable_collection(col):
       raise errors.ModifyScopeVariableError(col, name, self.path_text)
-    self._mutable_collection(col)[name] = value
+    target = self._mutable_collection(col)
+    if name in target and type(target[name]) is dict and isinstance(
+        value, Mapping):
+      _merge_put(target[name], value)
+    else:
+      target[name] = value
 
   def variable(self, col: str, name: str, init_fn: Callable | None = None,
                *init_args, unbox: bool = True, **init_kwargs) -> Variable:
@@ -313,12 +332,44 @@ class Scope:
       _check_shapes(name, self, value, init_fn, init_args, init_kwargs)
       return value
     if not self.is_mutable_collection('params'):
-      if not params:
+      if self.is_collection_empty('params'):
         raise errors.ScopeCollectionNotFound('params', name, self.path_text)
       raise errors.ScopeParamNotFoundError(name, self.path_text)
     value = init_fn(self.make_rng('params'), *init_args, **init_kwargs)
     self.put_variable('params', name, value)
     return meta.unbox(value) if unbox and not hasattr(value, 'shape') else value
+
+  def child(self, fn: Callable, name: str | None = None,
+            prefix: str | None = None, named_call: bool = True,
+            **partial_kwargs) -> Callable:
+    """``fn`` with a child scope (reserved now) as its first argument; the
+    variables are reused when the result is called again.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from liftmods.core import init
+    >>> def bias(scope, x):
+    ...   return x + scope.param('b', jax.nn.initializers.ones, x.shape[-1:])
+    >>> def model(scope, x):
+    ...   return scope.child(bias, 'first')(x)
+    >>> _, variables = init(model)(jax.random.key(0), jnp.zeros(2))
+    >>> variables['params']['first']['b']
+    Array([1., 1.], dtype=float32)
+    """
+    if name is None:
+      if prefix is None:
+        prefix = fn.__name__ + '_' if hasattr(fn, '__name__') else ''
+      name = self.default_name(prefix)
+    scope = self.push(name)
+
+    @functools.wraps(fn)
+    def with_child(*args, **kwargs):
+      kwargs = {**partial_kwargs, **kwargs}
+      if named_call:
+        with jax.named_scope(name):
+          return fn(scope.rewound(), *args, **kwargs)
+      return fn(scope.rewound(), *args, **kwargs)
+
+    return with_child
 
   # -- rngs ------------------------------------------------------------------
 
@@ -555,3 +606,22 @@ def init(fn: Callable, mutable=True, flags: Mapping | None = None):
 
   return wrapper
 
+
+def lazy_init(fn: Callable, mutable=True, flags: Mapping | None = None):
+  """Like ``init``, but returns only the variables and computes nothing it
+  does not need: inputs may be ``jax.ShapeDtypeStruct``s (see
+  ``liftmods.core.partial_eval``).
+
+  >>> import jax, jax.numpy as jnp
+  >>> def dense(scope, x):
+  ...   k = scope.param('kernel', jax.nn.initializers.lecun_normal(),
+  ...                   (x.shape[-1], 3))
+  ...   return x @ k
+  >>> x = jax.ShapeDtypeStruct((1 << 28, 1024), jnp.float32)  # 1 TB
+  >>> lazy_init(dense)(jax.random.key(0), x)['params']['kernel'].shape
+  (1024, 3)
+  """
+  def variables_only(*args, **kwargs):
+    return init(fn, mutable, flags)(*args, **kwargs)[1]
+
+  return partial_eval.lazy_init(variables_only)
