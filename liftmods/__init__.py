@@ -54,3 +54,4 @@ from liftmods.transforms import (add_metadata_axis, checkpoint, cond,
                                  custom_vjp, grad, jit, jvp, map_variables,
                                  named_call, remat, remat_scan, scan, switch,
                                  value_and_grad, vjp, vmap, while_loop)
+from liftmods import state

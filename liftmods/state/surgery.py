@@ -183,34 +183,36 @@ class LoadReport:
 def load(new: Mapping, old: Mapping, mapping: Mapping | None = None):
   """Loads ``old`` into ``new`` where they agree; returns ``(tree, report)``.
 
-  ``old`` is first renamed by ``mapping`` (``{old_path: new_path}``, as in
-  :func:`rename`). Then every old leaf whose path is in ``new`` replaces the
-  new leaf, after a shape and dtype check (:class:`GraftShapeError` names the
-  old and the new path and both shapes); the rest of ``new`` is left as it
-  is. ``report`` is a :class:`LoadReport`.
+  ``mapping`` (``{old_path: new_path}``) says where sub-trees of ``old`` go;
+  every other old leaf goes to its own path, unless a mapping already sends
+  something there. An old leaf whose destination is a leaf of ``new``
+  replaces it, after a shape and dtype check (:class:`GraftShapeError`
+  names the old and the new path and both shapes); the rest of ``new`` is
+  left as it is. ``report`` is a :class:`LoadReport`.
   """
   _check_tree('load', new)
   _check_tree('load', old)
   flat_new = dict(iter_leaves(new))
-  origin = {}
   flat_old = dict(iter_leaves(old))
+  source, mapped = {}, set()  # new path -> old path; old paths mapped away
   for s, d in (mapping or {}).items():
     s, d = to_path(s), to_path(d)
     for rel in _subtree_items('load', flat_old, s, 'the old tree'):
-      origin[d + rel] = s + rel
-  renamed = dict(iter_leaves(rename(old, mapping))) if mapping else flat_old
-  loaded, unused = [], []
-  for path, leaf in renamed.items():
-    if path not in flat_new:
-      unused.append(show(origin.get(path, path)))
-      continue
-    _check_same(origin.get(path, path), leaf, path, flat_new[path])
-    flat_new[path] = leaf
-    loaded.append(path)
-  done = set(loaded)
-  fresh = [show(p) for p in flat_new if p not in done]
+      source[d + rel] = s + rel
+      mapped.add(s + rel)
+  for path in flat_old:
+    if path not in mapped:
+      source.setdefault(path, path)
+  used = set()
+  for dst, src in source.items():
+    if dst in flat_new:
+      _check_same(src, flat_old[src], dst, flat_new[dst])
+      flat_new[dst] = flat_old[src]
+      used.add(src)
   report = LoadReport(
-      loaded=tuple(show(p) for p in loaded), new=tuple(fresh),
-      unused=tuple(unused),
-      sources={show(p): show(origin[p]) for p in loaded if p in origin})
+      loaded=tuple(show(p) for p in flat_new if p in source),
+      new=tuple(show(p) for p in flat_new if p not in source),
+      unused=tuple(show(p) for p in flat_old if p not in used),
+      sources={show(d): show(s) for d, s in source.items()
+               if d in flat_new and d != s})
   return _rebuild(flat_new, new), report
