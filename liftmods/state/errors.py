@@ -128,9 +128,9 @@ class UnresolvedModuleFilterError(StateError, ValueError):
 class UnknownModuleError(StateError, ValueError):
   """Module types are asked for a sub-tree whose module was never created."""
 
-  def __init__(self, path):
+  def __init__(self, path, leaf_path):
     super().__init__(
-        f'The module at {show(path)} owns variables but does not exist on the '
-        'bound model: its @compact submodules are created when it is called. '
-        'Call the bound model once, or use module_types(model, variables, '
-        '*example_inputs).')
+        f'No module is known at {show(path)}, which holds {show(leaf_path)}: '
+        'the bound model creates @compact submodules only when it is '
+        'called. Call the bound model once, or pass '
+        'modules=module_types(bound_model, *example_inputs).')

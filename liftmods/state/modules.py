@@ -74,14 +74,17 @@ def _traced(bound: Module, args, kwargs, method, rngs) -> dict:
 
 
 def check_known(modules: dict, tree_paths) -> None:
-  """Raises :class:`UnknownModuleError` when ``modules`` knows only the root
-  but the variables (``{collection: ...}`` paths) have sub-trees: the
-  mistake of asking a never-called ``@compact`` model for its types."""
-  if any(modules.keys() - {()}):
-    return
+  """Raises :class:`UnknownModuleError` for a leaf (of a ``{collection:
+  ...}`` tree) below a known module that has no known submodules: the sign
+  of a ``@compact`` module that was never called, whose children do not
+  exist yet."""
+  has_children = {p[:-1] for p in modules if p}
   for path in tree_paths:
-    if len(path) > 2:
-      raise errors.UnknownModuleError(path[1:2])
+    mpath = tuple(path[1:-1])
+    known = max(n for n in range(len(mpath) + 1)
+                if n == 0 or mpath[:n] in modules)
+    if known < len(mpath) and mpath[:known] not in has_children:
+      raise errors.UnknownModuleError(mpath[:known + 1], path)
 
 
 def state_of(module: Module, *filters, modules=None):
