@@ -360,6 +360,34 @@ def test_not_a_tree():
       fn(3)
 
 
+@SETTINGS
+@given(TREES, FILTERS, st.booleans())
+def test_no_function_mutates_its_inputs(tree, filt, freeze):
+  tree = _maybe_freeze(tree, freeze)
+  before = _snapshot(tree)
+  flat = state.flatten(tree)
+  first = next(iter(flat))
+  state.select(tree, filt)
+  state.mask(tree, filt)
+  state.labels(tree, {'a': filt, 'b': ...})
+  state.drop(tree, first)
+  state.rename(tree, {first: ('moved',) + first})
+  state.merge(state.select(tree, filt), state.select(tree, state.Not(filt)))
+  state.graft(tree, tree, {first: first})
+  state.load(tree, tree)
+  state.unflatten(flat, like=tree)
+  assert _snapshot(tree) == before
+
+
+@SETTINGS
+@given(TREES, st.booleans())
+def test_unflatten_inverts_flatten(tree, freeze):
+  tree = _maybe_freeze(tree, freeze)
+  assert _snapshot(state.unflatten(state.flatten(tree), like=tree)) == (
+      _snapshot(tree))
+  assert type(state.unflatten(list(state.flatten(tree).items()))) is dict
+
+
 # -- module types and state_of ------------------------------------------------------
 
 
@@ -644,6 +672,8 @@ def test_load_inserted_layer_reports_new_loaded_unused():
                      match=r'params/Dense_1/kernel \(shape \(4, 2\).*onto '
                      r'params/Dense_1/kernel \(shape \(4, 4\)'):
     state.load(new, old)
+  with pytest.raises(errors.UnknownPathError, match='not in the old tree'):
+    state.load(new, old, {'params/Dense_7': 'params/Dense_2'})
   _, report = state.load({'params': {'Dense_0': new['params']['Dense_0']}},
                          old)
   assert report.unused == ('params/Dense_1/kernel', 'params/Dense_1/bias')
