@@ -27,12 +27,13 @@ class StateError(LiftmodsError):
 
 
 class NotATreeError(StateError, TypeError):
-  """A variable tree was expected (a dict or FrozenDict) but got something else."""
+  """Something other than a variable tree (dict or FrozenDict) was passed."""
 
   def __init__(self, fn, got):
     hint = ''
     if hasattr(got, 'scope') and hasattr(got, 'init'):
-      hint = ' To read the variables of a bound module use state_of(module, ...).'
+      hint = (' To read the variables of a bound module use '
+              'state_of(module, ...).')
     super().__init__(f'{fn}() expects a variable tree (a dict or FrozenDict of '
                      f'nested dicts), got {type(got).__name__}.{hint}')
 

@@ -24,6 +24,10 @@ import jax
 
 from liftmods.module import Module
 from liftmods.state import errors
+from liftmods.state.filters import needs_modules, resolve
+from liftmods.state.tree import iter_leaves, select
+# summary's recorder of module method calls (path, module), reused here.
+from liftmods.summary import _recording
 
 
 def module_types(module: Module, *args, method=None, rngs=None,
@@ -32,9 +36,10 @@ def module_types(module: Module, *args, method=None, rngs=None,
 
   Without ``args``/``kwargs`` the submodules the bound module already has
   are walked (``setup`` runs if it has not). With them, ``method`` (default
-  ``__call__``) is traced once on an unbound copy of the module (``jax.eval_shape``,
-  every collection mutable, ``rngs`` passed on) and the modules that run are
-  recorded too; use this for ``@compact`` models that were never called.
+  ``__call__``) is traced once on an unbound copy of the module
+  (``jax.eval_shape``, every collection mutable, ``rngs`` passed to
+  ``apply``) and the modules that run are recorded too; use this for
+  ``@compact`` models that were never called.
   """
   _require_bound('module_types', module)
   found = {}
@@ -54,14 +59,13 @@ def _require_bound(fn: str, module) -> None:
 
 def _walk(module: Module, path: tuple, found: dict):
   found[path] = type(module)
-  module._try_setup()  # pylint: disable=protected-access
-  for name, child in module._state.children.items():  # pylint: disable=protected-access
+  module._try_setup()
+  for name, child in module._state.children.items():
     if isinstance(child, Module):
       _walk(child, path + (name,), found)
 
 
 def _traced(bound: Module, args, kwargs, method, rngs) -> dict:
-  from liftmods.summary import _recording  # pylint: disable=import-outside-toplevel
   module, variables = bound.unbind()
 
   def run(variables):
@@ -109,8 +113,6 @@ def state_of(module: Module, *filters, modules=None):
   >>> state.paths(state.state_of(Net().bind(variables), nn.Dense))
   ['params/head/kernel', 'params/head/bias']
   """
-  from liftmods.state.filters import needs_modules, resolve  # pylint: disable=import-outside-toplevel
-  from liftmods.state.tree import iter_leaves, select  # pylint: disable=import-outside-toplevel
   _require_bound('state_of', module)
   variables = module.variables
   if any(needs_modules(f) for f in filters):
