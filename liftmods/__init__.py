@@ -67,3 +67,4 @@ from liftmods.transforms import (add_metadata_axis, checkpoint, cond,
                                  map_variables,
                                  named_call, remat, remat_scan, scan, switch,
                                  value_and_grad, vjp, vmap, while_loop)
+from liftmods import state

@@ -1,0 +1,123 @@
+"""Which module type sits at which path of a model.
+
+:class:`~liftmods.state.InModule` filters need ``{module_path: type}``.
+A bound module knows the submodules it has created: those of ``setup``
+(created on first access) and those its ``@compact`` methods created when it
+was called. :func:`module_types` reads them, or, given example inputs,
+traces one call abstractly (``jax.eval_shape``, no FLOPs) and records every
+module that runs.
+
+>>> import jax, jax.numpy as jnp
+>>> import liftmods as nn
+>>> from liftmods import state
+>>> class Net(nn.Module):
+...   @nn.compact
+...   def __call__(self, x):
+...     return nn.Dense(2, name='head')(nn.LayerNorm()(x))
+>>> x = jnp.ones((1, 3))
+>>> variables = Net().init(jax.random.key(0), x)
+>>> types = state.module_types(Net().bind(variables), x)
+>>> {'/'.join(p): t.__name__ for p, t in types.items()}
+{'': 'Net', 'LayerNorm_0': 'LayerNorm', 'head': 'Dense'}
+"""
+import jax
+
+from liftmods.module import Module
+from liftmods.state import errors
+from liftmods.state.filters import needs_modules, resolve
+from liftmods.state.tree import iter_leaves, select
+# summary's recorder of module method calls (path, module), reused here.
+from liftmods.summary import _recording
+
+
+def module_types(module: Module, *args, method=None, rngs=None,
+                 **kwargs) -> dict:
+  """``{module_path: type}`` for a bound ``module`` and its submodules.
+
+  Without ``args``/``kwargs`` the submodules the bound module already has
+  are walked (``setup`` runs if it has not). With them, ``method`` (default
+  ``__call__``) is traced once on an unbound copy of the module
+  (``jax.eval_shape``, every collection mutable, ``rngs`` passed to
+  ``apply``) and the modules that run are recorded too; use this for
+  ``@compact`` models that were never called.
+  """
+  _require_bound('module_types', module)
+  found = {}
+  _walk(module, (), found)
+  if args or kwargs:
+    found.update(_traced(module, args, kwargs, method, rngs))
+  return found
+
+
+def _require_bound(fn: str, module) -> None:
+  if not isinstance(module, Module) or module.scope is None:
+    unbound = ' (unbound)' if isinstance(module, Module) else ''
+    raise errors.StateError(
+        f'{fn}() needs a bound module (model.bind(variables)); got '
+        f'{type(module).__name__}{unbound}.')
+
+
+def _walk(module: Module, path: tuple, found: dict):
+  found[path] = type(module)
+  module._try_setup()
+  for name, child in module._state.children.items():
+    if isinstance(child, Module):
+      _walk(child, path + (name,), found)
+
+
+def _traced(bound: Module, args, kwargs, method, rngs) -> dict:
+  module, variables = bound.unbind()
+
+  def run(variables):
+    return module.apply(variables, *args, method=method, rngs=rngs,
+                        mutable=True, **kwargs)
+
+  with _recording() as calls:
+    jax.eval_shape(run, variables)
+  return {tuple(c.path): type(c.module) for c in calls}
+
+
+def check_known(modules: dict, tree_paths) -> None:
+  """Raises :class:`UnknownModuleError` for a leaf (of a ``{collection:
+  ...}`` tree) below a known module that has no known submodules: the sign
+  of a ``@compact`` module that was never called, whose children do not
+  exist yet."""
+  has_children = {p[:-1] for p in modules if p}
+  for path in tree_paths:
+    mpath = tuple(path[1:-1])
+    known = max(n for n in range(len(mpath) + 1)
+                if n == 0 or mpath[:n] in modules)
+    if known < len(mpath) and mpath[:known] not in has_children:
+      raise errors.UnknownModuleError(mpath[:known + 1], path)
+
+
+def state_of(module: Module, *filters, modules=None):
+  """The variables of a bound ``module``, picked by ``filters``.
+
+  Like NNX's ``nnx.state``: with no filter the whole ``{collection: ...}``
+  tree, with one filter the tree of its leaves, with several a tuple (first
+  match wins); leaves no filter matches are left out. Module-type filters
+  (``nn.Dense``, :class:`InModule`) are resolved through ``module``, or
+  through ``modules`` (a :func:`module_types` mapping) when given.
+
+  >>> import jax, jax.numpy as jnp
+  >>> import liftmods as nn
+  >>> from liftmods import state
+  >>> class Net(nn.Module):
+  ...   def setup(self):
+  ...     self.norm = nn.LayerNorm()
+  ...     self.head = nn.Dense(2)
+  ...   def __call__(self, x):
+  ...     return self.head(self.norm(x))
+  >>> variables = Net().init(jax.random.key(0), jnp.ones((1, 3)))
+  >>> state.paths(state.state_of(Net().bind(variables), nn.Dense))
+  ['params/head/kernel', 'params/head/bias']
+  """
+  _require_bound('state_of', module)
+  variables = module.variables
+  if any(needs_modules(f) for f in filters):
+    if modules is None:
+      modules = module_types(module)
+      check_known(modules, (p for p, _ in iter_leaves(variables)))
+    filters = tuple(resolve(f, modules) for f in filters)
+  return select(variables, *filters)

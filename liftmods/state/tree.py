@@ -1,0 +1,202 @@
+"""split / select / merge / update over nested variable trees.
+
+Every function here is pure: it builds new mappings along the paths it
+returns and shares the leaves, never writing into its inputs. Nothing looks
+at leaf values except the filters, so all of them work inside ``jax.jit``
+(filters then see tracers; paths are static). Each node of an output has the
+container kind of the input node it comes from, so a FrozenDict comes back
+as a FrozenDict and a dict as a dict.
+
+A mapping with no leaves below it holds no variables: outputs never contain
+one, so ``merge(*split(v, ...)) == v`` holds for every tree ``v`` without
+empty sub-mappings (``init`` never makes any).
+
+>>> import jax.numpy as jnp
+>>> from liftmods import state
+>>> v = {'params': {'enc': {'kernel': jnp.ones((2, 2))},
+...                 'head': {'kernel': jnp.ones((2, 1))}},
+...      'batch_stats': {'enc': {'mean': jnp.zeros(2)}}}
+>>> head, rest = state.split(v, 'params/head', ...)
+>>> state.paths(head)
+['params/head/kernel']
+>>> state.paths(rest)
+['params/enc/kernel', 'batch_stats/enc/mean']
+>>> state.merge(head, rest) == v
+True
+"""
+from collections.abc import Mapping
+
+from liftmods.core.frozen_dict import FrozenDict
+from liftmods.state import errors
+from liftmods.state.filters import to_predicates
+
+_MISSING = object()
+
+
+def _check_tree(fn: str, tree) -> None:
+  if not isinstance(tree, Mapping):
+    raise errors.NotATreeError(fn, tree)
+
+
+def iter_leaves(tree: Mapping, prefix: tuple = ()):
+  """Yields ``(path, leaf)`` depth first in key order; ``path`` is a tuple of
+  keys. Every mapping is descended into; everything else is a leaf."""
+  for key, value in tree.items():
+    path = prefix + (key,)
+    if isinstance(value, Mapping):
+      yield from iter_leaves(value, path)
+    else:
+      yield path, value
+
+
+def flatten(tree: Mapping) -> dict:
+  """``{path_tuple: leaf}`` for every leaf of ``tree``.
+
+  >>> from liftmods import state
+  >>> state.flatten({'params': {'w': 1, 'sub': {'b': 2}}})
+  {('params', 'w'): 1, ('params', 'sub', 'b'): 2}
+  """
+  _check_tree('flatten', tree)
+  return dict(iter_leaves(tree))
+
+
+def paths(tree: Mapping) -> list:
+  """The ``'/'``-joined paths of the leaves of ``tree``, in order."""
+  _check_tree('paths', tree)
+  return [errors.show(p) for p, _ in iter_leaves(tree)]
+
+
+def _kinds(tree: Mapping, kinds: dict, prefix: tuple = ()) -> dict:
+  """Records ``{node_path: container type}`` for every mapping of ``tree``
+  whose path is not recorded yet (so the first tree given wins)."""
+  kinds.setdefault(prefix, FrozenDict if isinstance(tree, FrozenDict) else dict)
+  for key, value in tree.items():
+    if isinstance(value, Mapping):
+      _kinds(value, kinds, prefix + (key,))
+  return kinds
+
+
+def unflatten(flat, like: Mapping | None = None):
+  """The nested tree of ``flat`` (``{path_tuple: leaf}`` or pairs). Nodes take
+  the container kind of the same node in ``like`` (dict by default)."""
+  kinds = _kinds(like, {}) if like is not None else {}
+  items = flat.items() if isinstance(flat, Mapping) else flat
+  return _build(((p, x, 0) for p, x in items), kinds)
+
+
+def _build(items, kinds: dict):
+  """Nests ``(path, leaf, owner)`` items; a path that collides with another
+  item's (same path, or one a prefix of the other) is a MergeConflictError
+  naming both owners."""
+  root, owner_of = {}, {}
+  for path, leaf, owner in items:
+    node = root
+    for i, key in enumerate(path[:-1]):
+      child = node.get(key, _MISSING)
+      if child is _MISSING:
+        child = node[key] = {}
+      elif not isinstance(child, dict):
+        raise errors.MergeConflictError(path[:i + 1],
+                                        owner_of[path[:i + 1]], owner)
+      node = child
+    key = path[-1]
+    if key in node:
+      other = node[key]
+      first = owner_of.get(path) if not isinstance(other, dict) else (
+          _any_owner(other, path, owner_of))
+      raise errors.MergeConflictError(path, first, owner)
+    node[key] = leaf
+    owner_of[path] = owner
+  return _finish(root, (), kinds)
+
+
+def _any_owner(node: dict, prefix: tuple, owner_of: dict):
+  for path, _ in iter_leaves(node, prefix):
+    return owner_of[path]
+  return None
+
+
+def _finish(node: dict, path: tuple, kinds: dict):
+  """Converts the nested dicts to their recorded kinds; a node no input had
+  takes the root's kind."""
+  out = {k: _finish(v, path + (k,), kinds) if isinstance(v, dict) else v
+         for k, v in node.items()}
+  if kinds.get(path, kinds.get(())) is FrozenDict:
+    return FrozenDict(out, __unsafe_skip_copy__=True)
+  return out
+
+
+def _partition(fn: str, tree: Mapping, filters, drop_rest: bool):
+  _check_tree(fn, tree)
+  preds = to_predicates(filters or (...,))
+  buckets = [[] for _ in preds]
+  for path, leaf in iter_leaves(tree):
+    for i, pred in enumerate(preds):
+      if pred(path, leaf):
+        buckets[i].append((path, leaf, 0))
+        break
+    else:
+      if not drop_rest:
+        raise errors.UnmatchedLeafError(path, preds)
+  kinds = _kinds(tree, {})
+  out = tuple(_build(b, kinds) for b in buckets)
+  return out[0] if len(out) == 1 else out
+
+
+def split(tree: Mapping, *filters):
+  """One tree per filter: each leaf goes to the first filter that matches it.
+
+  A leaf that no filter matches is an error (:class:`UnmatchedLeafError`);
+  end with ``...`` to collect the rest. With one filter the tree itself is
+  returned, with several a tuple, as NNX's ``split`` does; with none, a copy.
+
+  >>> import jax.numpy as jnp
+  >>> from liftmods import state
+  >>> v = {'params': {'w': jnp.ones(2)}, 'batch_stats': {'m': jnp.ones(2)}}
+  >>> params, rest = state.split(v, 'params', ...)
+  >>> rest
+  {'batch_stats': {'m': Array([1., 1.], dtype=float32)}}
+  """
+  return _partition('split', tree, filters, drop_rest=False)
+
+
+def select(tree: Mapping, *filters):
+  """Like :func:`split`, but leaves that no filter matches are dropped (NNX's
+  ``filter_state``)."""
+  return _partition('select', tree, filters, drop_rest=True)
+
+
+def merge(*trees):
+  """The union of disjoint trees: the inverse of :func:`split`.
+
+  A path defined by two trees (the same leaf, or a leaf where another tree
+  has a sub-tree) is a :class:`MergeConflictError`; to overwrite, use
+  :func:`update`. The result has the root container kind of the first tree.
+  """
+  if not trees:
+    raise errors.StateError('merge() needs at least one tree.')
+  kinds = {}
+  for tree in trees:
+    _check_tree('merge', tree)
+    _kinds(tree, kinds)
+  items = ((p, x, i) for i, t in enumerate(trees) for p, x in iter_leaves(t))
+  return _build(items, kinds)
+
+
+def update(tree: Mapping, *partials):
+  """``tree`` with the leaves of each partial tree put in place of its own.
+
+  Every leaf of a partial must replace a leaf of ``tree`` (same path); a new
+  path is an :class:`UnknownPathError` (use :func:`merge` to add leaves).
+  Later partials win over earlier ones.
+  """
+  _check_tree('update', tree)
+  flat = dict(iter_leaves(tree))
+  for partial in partials:
+    _check_tree('update', partial)
+    for path, leaf in iter_leaves(partial):
+      if path not in flat:
+        raise errors.UnknownPathError('update', path,
+                                      'the tree being updated')
+      flat[path] = leaf
+  return _build(((p, x, 0) for p, x in flat.items()), _kinds(tree, {}))
