@@ -26,7 +26,8 @@ from typing import Any
 import jax
 
 from liftmods import errors, transforms
-from liftmods.core import filters, frozen_dict, scope as core_scope
+from liftmods.core import filters, frozen_dict, lift
+from liftmods.core import scope as core_scope
 from liftmods.module import _context
 from liftmods.spmd import (RulesFallback, _is_names, logical_to_mesh,
                            logical_to_mesh_axes)
@@ -251,7 +252,9 @@ def remat(target, variables=True, rngs=True, concrete=False, prevent_cse=True,
         'The concrete argument is deprecated. Use static_argnums instead.')
   if isinstance(static_argnums, int):
     static_argnums = (static_argnums,)
-  return transforms.checkpoint(
-      target, variables=variables, rngs=rngs, prevent_cse=prevent_cse,
-      static_argnums=tuple(i + 1 for i in static_argnums), policy=policy,
-      methods=methods)
+  # Named like Linen's lifted class (``Core_remat_static<Module>``), so the
+  # auto-names, and with them the parameter keys, match.
+  return transforms.lift_transform(
+      lift.checkpoint, 'core_remat_static', target, variables=variables,
+      rngs=rngs, concrete=False, prevent_cse=prevent_cse,
+      static_argnums=tuple(static_argnums), policy=policy, methods=methods)

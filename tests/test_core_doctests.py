@@ -12,6 +12,9 @@ MODULES = [
     'liftmods.core.frozen_dict',
     'liftmods.core.meta',
     'liftmods.errors',
+    'liftmods.spmd',
+    'liftmods.partitioning',
+    'liftmods.sharded_init',
 ]
 
 
