@@ -58,7 +58,7 @@ def init_sharded(module, mesh, rules=None, *, unbox: bool = True,
         'computed at full size before being sharded. Enable it with '
         'jax.config.update("jax_threefry_partitionable", True).')
 
-  def init_fn(rngs, *args, **kwargs):
+  def prepare(rngs, args, kwargs):
     active = get_logical_axis_rules() if rules is None else rules
     dynamic, rebuild = _split((rngs, args, kwargs))
 
@@ -73,9 +73,22 @@ def init_sharded(module, mesh, rules=None, *, unbox: bool = True,
     with logical_axis_rules(active):
       boxed = jax.eval_shape(call, dynamic)
       shardings = mesh_shardings(boxed, mesh, active, fallback)
-      out = jax.jit(run, out_shardings=shardings)(dynamic)
-    return out, shardings
+    jitted = jax.jit(run, out_shardings=shardings)
+    return jitted, dynamic, shardings, active
 
+  def init_fn(rngs, *args, **kwargs):
+    jitted, dynamic, shardings, active = prepare(rngs, args, kwargs)
+    with logical_axis_rules(active):
+      return jitted(dynamic), shardings
+
+  def lower(rngs, *args, **kwargs):
+    """``(jax.stages.Lowered, shardings)`` of the sharded init, e.g. for
+    ``.compile().memory_analysis()``."""
+    jitted, dynamic, shardings, active = prepare(rngs, args, kwargs)
+    with logical_axis_rules(active):
+      return jitted.lower(dynamic), shardings
+
+  init_fn.lower = lower
   return init_fn
 
 

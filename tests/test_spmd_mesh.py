@@ -24,7 +24,8 @@ def test_spmd_cases_pass_on_eight_devices():
   env.pop('PYTEST_XDIST_WORKER', None)
   proc = subprocess.run(
       [sys.executable, '-m', 'pytest', str(ROOT / 'tests' / 'spmd_mesh_cases.py'),
-       '-q', '-p', 'no:cacheprovider', '-p', 'no:xdist', '-rs'],
+       '-o', 'addopts=', '-q', '-p', 'no:cacheprovider', '-p', 'no:xdist',
+       '-rs'],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   output = proc.stdout + proc.stderr
   assert proc.returncode == 0, output[-6000:]
