@@ -70,6 +70,7 @@ flags.DEFINE_integer('batch', 16, 'global batch size')
 flags.DEFINE_integer('seq', 32, 'sequence length')
 flags.DEFINE_integer('repeats', 5, 'timed trace+lower repetitions')
 flags.DEFINE_integer('step_repeats', 10, 'timed step repetitions')
+flags.DEFINE_string('dump_hlo', '', 'write both optimised train-step HLOs here')
 F = flags.FLAGS
 
 
@@ -137,9 +138,14 @@ def ideal_bytes(tree) -> float:
 
 
 def _program(compiled) -> str:
-  """Optimised HLO without names and source locations."""
+  """Optimised HLO without names, source locations and stack-frame tables."""
   text = re.sub(r', metadata=\{[^}]*\}', '', compiled.as_text())
-  return re.sub(r'^HloModule \S+', 'HloModule m', text)
+  text = re.sub(r', stack_frame_id=\d+', '', text)
+  text = re.sub(r'^HloModule \S+', 'HloModule m', text)
+  return '\n'.join(
+      line for line in text.splitlines()
+      if not re.match(r'\s*\d+ |(FileNames|FunctionNames|FileLocations|'
+                      r'StackFrames)', line))
 
 
 def measure(name, lib, mesh, key, tokens, batch):
@@ -245,6 +251,11 @@ def main(_):
         f'{_mb(ours["total_param"])})')
   for label, value, ok in checks:
     print(f'  {label:<40}{value:>8.3f}   {"met" if ok else "NOT met"}')
+  if F.dump_hlo:
+    os.makedirs(F.dump_hlo, exist_ok=True)
+    for r in (ours, theirs):
+      with open(os.path.join(F.dump_hlo, r['name'] + '.hlo'), 'w') as f:
+        f.write(r['program'])
   print(f'  optimised HLO of the two train steps identical: '
         f'{ours["program"] == theirs["program"]}')
 
