@@ -20,12 +20,21 @@ import dataclasses
 import enum
 import functools
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from liftmods.core import meta
+
+# Type aliases under Linen's names, for annotations.
+Array = jax.Array
+ArrayPytree = Any
+LogicalNames = tuple
+LogicalPartitionSpec = Any  # a PartitionSpec of logical names, or None
+LogicalPartitionSpecPytree = Any
+LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
 
 # -- the rules context ---------------------------------------------------------

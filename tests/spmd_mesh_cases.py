@@ -268,3 +268,18 @@ def test_tabulate_shows_specs_and_per_device_bytes():
   # embedding 32x16 float32 = 2048 B over tensor x fsdp = 4 devices.
   assert "P('vocab', 'embed') -> P('tensor', 'fsdp') 512 B/device" in table
   assert 'per device)' in table
+
+
+def test_init_sharded_never_holds_a_whole_parameter():
+  mesh = make_mesh()
+  cfg = spmd_model.Config(vocab=256, embed=64, heads=4, head_dim=16, mlp=256)
+  model = spmd_model.decoder(nn, cfg)
+  lowered, _ = nn.init_sharded(model, mesh, spmd_model.RULES).lower(KEY,
+                                                                    TOKENS)
+  memory = lowered.compile().memory_analysis()
+  full = jax.eval_shape(model.init, KEY, TOKENS)
+  largest = max(x.size * x.dtype.itemsize for x in jax.tree.leaves(full))
+  # Every parameter is sharded 4 ways here: the device's whole output is
+  # about 1/4 of the model, and the scratch space stays below one full-size
+  # copy of the largest parameter.
+  assert memory.temp_size_in_bytes < largest, (memory, largest)

@@ -530,3 +530,60 @@ def test_exports():
         continue
       assert hasattr(nn_partitioning, name), name
   assert nn.spmd.RulesFallback.RAISE_ERROR.value == 'raise_error'
+
+
+def test_user_axis_metadata_through_scan_matches_linen():
+
+  def model(lib):
+
+    class Axes(lib.meta.AxisMetadata):
+
+      def __init__(self, value, axes):
+        self.value, self.axes = value, axes
+
+      def unbox(self):
+        return self.value
+
+      def replace_boxed(self, val):
+        return Axes(val, self.axes)
+
+      def add_axis(self, index, params):
+        axes = list(self.axes)
+        axes.insert(index, params['tag'])
+        return Axes(self.value, tuple(axes))
+
+      def remove_axis(self, index, params):
+        assert self.axes[index] == params['tag']
+        return Axes(self.value, self.axes[:index] + self.axes[index + 1:])
+
+    jax.tree_util.register_pytree_node(
+        Axes, lambda b: ((b.value,), b.axes), lambda a, c: Axes(c[0], a))
+
+    def boxed(key, shape, dtype=jnp.float32):
+      return Axes(lib.initializers.lecun_normal()(key, shape, dtype),
+                  ('in', 'out'))
+
+    class Layer(lib.Module):
+
+      @lib.compact
+      def __call__(self, x, _):
+        return lib.Dense(4, kernel_init=boxed)(x), None
+
+    class Stack(lib.Module):
+
+      @lib.compact
+      def __call__(self, x):
+        return lib.scan(Layer, variable_axes={'params': 1},
+                        split_rngs={'params': True}, length=2,
+                        metadata_params={'tag': 'L'})()(x, None)[0]
+
+    return Stack()
+
+  x = jnp.ones((2, 4))
+  ours, theirs = model(nn).init(KEY, x), model(fnn).init(KEY, x)
+  box = ours['params']['ScanLayer_0']['Dense_0']['kernel']
+  fbox = theirs['params']['ScanLayer_0']['Dense_0']['kernel']
+  assert box.axes == fbox.axes == ('in', 'L', 'out')
+  same_tree(nn.unbox(ours), fnn.unbox(theirs))
+  np.testing.assert_array_equal(model(nn).apply(ours, x),
+                                model(fnn).apply(theirs, x))
