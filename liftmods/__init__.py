@@ -68,3 +68,10 @@ from liftmods.transforms import (add_metadata_axis, checkpoint, cond,
                                  named_call, remat, remat_scan, scan, switch,
                                  value_and_grad, vjp, vmap, while_loop)
 from liftmods import state
+from liftmods import partitioning, spmd
+from liftmods.sharded_init import init_sharded
+from liftmods.spmd import (LogicallyPartitioned, get_logical_axis_rules,
+                           logical_axis_rules, logical_to_mesh,
+                           logical_to_mesh_axes, logical_to_mesh_sharding,
+                           set_logical_axis_rules, with_logical_constraint,
+                           with_logical_partitioning)

@@ -343,3 +343,50 @@ class CallShareScopeOnUnboundModuleError(LiftmodsError):
     super().__init__(
         "Can't call `share_scope` on unbound modules: call it inside setup() "
         'or a @compact method, where both modules are bound.')
+
+
+class PartitionAxisMismatchError(LiftError, AssertionError):
+  """A transform removes a stacked axis whose partition name differs from
+  the one in its ``metadata_params`` (Linen asserts the same)."""
+
+  def __init__(self, names, index, expected):
+    super().__init__(
+        f'Axis {index} of a Partitioned variable with names {names} is '
+        f'named {names[index]!r}, but the transform that removes it expects '
+        f'{expected!r} (metadata_params["partition_name"]). Use the same '
+        'partition name when the axis is added and removed.')
+
+
+class ShardingError(LiftmodsError, ValueError):
+  """Base class of the errors of sharding a variable over a device mesh."""
+
+
+class LogicalAxisUnmappedError(ShardingError):
+  """A logical axis name matches no rule and ``fallback`` asks for an error."""
+
+  def __init__(self, where, names, rules):
+    super().__init__(
+        f'{where}: the logical axis names {tuple(names)} are not all mapped to '
+        f'mesh axes by the rules {tuple(rules)}. Add a rule '
+        '("name", "mesh_axis") or ("name", None) for each.')
+
+
+class MeshAxisNotFoundError(ShardingError):
+  """A partition spec names a mesh axis that the mesh does not have."""
+
+  def __init__(self, where, spec, axis, mesh_axes):
+    super().__init__(
+        f'{where}: partition spec {spec} names mesh axis {axis!r}, but the '
+        f'mesh has axes {tuple(mesh_axes)}. Fix the rules or the names, or '
+        'build the mesh with that axis.')
+
+
+class ShardingDivisibilityError(ShardingError):
+  """A sharded dimension is not a multiple of its mesh axes' size."""
+
+  def __init__(self, where, shape, spec, dim, size):
+    super().__init__(
+        f'{where}: dimension {dim} of shape {tuple(shape)} is sharded as '
+        f'{spec[dim]!r} over {size} devices (spec {spec}), but '
+        f'{shape[dim]} is not divisible by {size}. Change the size, or map '
+        'that axis to a smaller (or no) mesh axis.')

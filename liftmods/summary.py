@@ -51,6 +51,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from liftmods import spmd
 from liftmods.core import meta
 from liftmods.core.filters import DenyList
 from liftmods.core.frozen_dict import unfreeze  # nn.summary.unfreeze, as Linen's
@@ -93,13 +94,17 @@ def tabulate(module: Module, rngs, depth: int | None = None,
     kwargs = {'mutable': mutable, **init_kwargs, **kwargs}
     calls, variables = _record_init(module, rngs, args, kwargs)
     rows = _rows(calls, variables, depth, show_repeated)
+    _local.layout = _Layout.of(variables)
     extra = [name for name, on in (('flops', compute_flops),
                                    ('vjp_flops', compute_vjp_flops)) if on]
     for row in rows:
       row.extra = [_call_flops(row.call, rngs, name == 'vjp_flops')
                    for name in extra]
-    return _render(type(module).__name__, rows, variables, extra,
-                   dict(table_kwargs), dict(column_kwargs))
+    try:
+      return _render(type(module).__name__, rows, variables, extra,
+                     dict(table_kwargs), dict(column_kwargs))
+    finally:
+      _local.layout = None
 
   return tabulate_fn
 
@@ -285,6 +290,54 @@ def _size_and_bytes(tree) -> tuple[int, int]:
   return sum(n for n, _ in sizes), sum(n * b for n, b in sizes)
 
 
+# -- partitioned variables: per-device sizes ------------------------------------
+
+
+@dataclasses.dataclass
+class _Layout:
+  """The mesh (a box's own, else the mesh context's) and logical rules under
+  which partitioned variables are shown with their per-device bytes."""
+  mesh: Any
+  rules: tuple
+
+  @classmethod
+  def of(cls, variables):
+    boxes = [x for x in jax.tree_util.tree_leaves(
+        variables, is_leaf=meta.is_axis_metadata)
+             if isinstance(x, meta.Partitioned)]
+    mesh = meta.get_global_mesh()
+    if mesh is None:
+      mesh = next((b.mesh for b in boxes if b.mesh is not None), None)
+    if not boxes or mesh is None:
+      return None
+    return cls(mesh, spmd.get_logical_axis_rules())
+
+  def mesh_spec(self, box):
+    if isinstance(box, spmd.LogicallyPartitioned):
+      rules = box.rules if box.rules is not None else self.rules
+      return spmd.logical_to_mesh_axes(box.names, rules)
+    return box.get_partition_spec()
+
+  def device_bytes(self, x) -> int:
+    """Bytes of ``x`` held by one device (the largest shard)."""
+    spec = self.mesh_spec(x) if isinstance(x, meta.Partitioned) else ()
+    while isinstance(x, meta.AxisMetadata):
+      x = x.value if isinstance(x, meta.Partitioned) else x.unbox()
+    if not hasattr(x, 'shape'):
+      return 0
+    shape = list(x.shape)
+    for dim, entry in enumerate(tuple(spec)[:len(shape)]):
+      axes = entry if isinstance(entry, tuple) else (entry,)
+      n = math.prod(self.mesh.shape.get(a, 1) for a in axes
+                    if isinstance(a, str))
+      shape[dim] = -(-shape[dim] // n)
+    return math.prod(shape) * getattr(x.dtype, 'itemsize', 0)
+
+  def tree_bytes(self, tree) -> int:
+    return sum(self.device_bytes(x) for x in jax.tree_util.tree_leaves(
+        tree, is_leaf=meta.is_axis_metadata))
+
+
 # -- rendering -----------------------------------------------------------------
 
 
@@ -295,14 +348,25 @@ def _bytes_repr(n: int) -> str:
   return f'{n:,} B'
 
 
-def _count_repr(size: int, num_bytes: int) -> str:
-  return f'{size:,} ({_bytes_repr(num_bytes)})'
+def _count_repr(size: int, num_bytes: int, tree=None) -> str:
+  layout = getattr(_local, 'layout', None)
+  if layout is None or tree is None:
+    return f'{size:,} ({_bytes_repr(num_bytes)})'
+  per_device = _bytes_repr(layout.tree_bytes(tree))
+  return f'{size:,} ({_bytes_repr(num_bytes)}, {per_device} per device)'
 
 
 def _leaf_repr(x) -> str:
   if isinstance(x, meta.Partitioned):
     names = ', '.join(map(repr, x.names))
-    return f'{_leaf_repr(x.value)} P({names})'
+    text = f'{_leaf_repr(x.value)} P({names})'
+    layout = getattr(_local, 'layout', None)
+    if layout is None:
+      return text
+    spec = layout.mesh_spec(x)
+    if isinstance(x, spmd.LogicallyPartitioned):
+      text += ' -> P(' + ', '.join(map(repr, spec)) + ')'
+    return f'{text} {_bytes_repr(layout.device_bytes(x))}/device'
   if isinstance(x, meta.AxisMetadata):
     return _leaf_repr(x.unbox())
   if hasattr(x, 'shape') and hasattr(x, 'dtype'):
@@ -349,15 +413,17 @@ def _render(name, rows, variables, extra, table_kwargs, column_kwargs) -> str:
              _tree_lines(c.outputs), *([str(n)] for n in row.extra)]
     for col in cols:
       lines = _tree_lines(row.own[col]) if row.own.get(col) else []
-      size, num_bytes = _size_and_bytes(row.counted.get(col, {}))
+      counted = row.counted.get(col, {})
+      size, num_bytes = _size_and_bytes(counted)
       if size:
-        lines += ([''] if lines else []) + [_count_repr(size, num_bytes)]
+        lines += ([''] if lines else []) + [
+            _count_repr(size, num_bytes, counted)]
       cells.append(lines)
     body.append(cells)
   totals = {col: _size_and_bytes(variables[col]) for col in cols}
   n_labels = len(header) - len(cols)
   footer = [[''] for _ in range(n_labels - 1)] + [['Total']] + [
-      [_count_repr(*totals[col])] for col in cols]
+      [_count_repr(*totals[col], variables[col])] for col in cols]
 
   title = table_kwargs.get('title', f'{name} Summary')
   lines = _box(header, body, footer, n_labels,
@@ -366,7 +432,7 @@ def _render(name, rows, variables, extra, table_kwargs, column_kwargs) -> str:
   width = len(lines[0])
   size = sum(s for s, _ in totals.values())
   num_bytes = sum(b for _, b in totals.values())
-  caption = f'Total Parameters: {_count_repr(size, num_bytes)}'
+  caption = f'Total Parameters: {_count_repr(size, num_bytes, variables)}'
   return '\n'.join([title.center(width).rstrip(), *lines, '',
                     caption.center(width).rstrip()])
 

@@ -13,6 +13,9 @@ MODULES = [
     'liftmods.core.meta',
     'liftmods.core.partial_eval',
     'liftmods.errors',
+    'liftmods.spmd',
+    'liftmods.partitioning',
+    'liftmods.sharded_init',
 ]
 
 

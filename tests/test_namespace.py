@@ -79,18 +79,8 @@ EXCLUDED = {
                   'matches',
 }
 
-_SPMD = 'branch h/spmd (partitioning / SPMD names)'
 PENDING_OTHER_BRANCH = {
-    **{f'nn.{n}': _SPMD for n in (
-        'LogicallyPartitioned', 'get_logical_axis_rules', 'logical_axis_rules',
-        'logical_to_mesh', 'logical_to_mesh_axes', 'logical_to_mesh_sharding',
-        'set_logical_axis_rules', 'with_logical_constraint',
-        'with_logical_partitioning', 'spmd', 'partitioning')},
-    'nn.spmd.*': _SPMD,
-    'nn.partitioning.*': _SPMD,
-    'core.spmd': _SPMD,
-    'core.meta.get_global_mesh': _SPMD,
-    'core.meta.global_mesh_defined': _SPMD,
+    'core.spmd': 'branch h/spmd (flax.core.spmd: the rule helpers)',
 }
 
 # -- the walk ------------------------------------------------------------------

@@ -10,6 +10,7 @@
 """
 import abc
 import dataclasses
+import functools
 from typing import Any, Generic, TypeVar
 
 import jax
@@ -81,26 +82,82 @@ def replace_boxed(tree, updates):
   return jax.tree_util.tree_map(put, tree, updates, is_leaf=is_axis_metadata)
 
 
-def _global_mesh():
+def get_global_mesh():
+  """The mesh set by ``jax.set_mesh`` / ``jax.sharding.use_mesh`` (as an
+  abstract mesh), or None outside any mesh context."""
   get = getattr(jax.sharding, 'get_abstract_mesh', None)
   mesh = get() if get else None
   return None if mesh is None or mesh.empty else mesh
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+def global_mesh_defined() -> bool:
+  """Whether a mesh context is active."""
+  return get_global_mesh() is not None
+
+
+def _is_static(field: dataclasses.Field) -> bool:
+  md = field.metadata
+  return bool(md.get('static', False)) or md.get('pytree_node', True) is False
+
+
+def _register_box(cls):
+  """Makes ``cls`` a frozen dataclass pytree: ``value`` (and other fields
+  not marked static) are children, static fields are the node's aux data.
+
+  Registered as a custom node rather than with ``register_dataclass``: JAX
+  compares dataclass nodes by class name and fields, so another library's
+  ``Partitioned`` with the same fields would share tree structures (and jit
+  cache entries) with ours; custom nodes are compared by class."""
+  if '__dataclass_fields__' not in cls.__dict__:
+    cls = dataclasses.dataclass(frozen=True)(cls)
+  fields = dataclasses.fields(cls)
+  data = tuple(f.name for f in fields if not _is_static(f))
+  static = tuple(f.name for f in fields if _is_static(f))
+  keys = tuple(jax.tree_util.GetAttrKey(n) for n in data)
+
+  def flatten(box):
+    return (tuple(getattr(box, n) for n in data),
+            tuple(getattr(box, n) for n in static))
+
+  def flatten_with_keys(box):
+    children, aux = flatten(box)
+    return tuple(zip(keys, children)), aux
+
+  def unflatten(aux, children):
+    box = object.__new__(cls)
+    for n, v in zip(data + static, tuple(children) + aux):
+      object.__setattr__(box, n, v)
+    return box
+
+  jax.tree_util.register_pytree_with_keys(
+      cls, flatten_with_keys, unflatten, flatten_func=flatten)
+  return cls
+
+
 class Partitioned(AxisMetadata):
   """A value with one logical/mesh axis name (or None) per dimension.
 
-  Unboxing applies the names as a sharding constraint when a mesh is set.
+  Unboxing applies the names as a sharding constraint when the box has a
+  mesh or a mesh context is active. Subclasses become frozen dataclass
+  pytrees by themselves (fields marked ``metadata={'static': True}`` are
+  static), like Linen's ``struct.PyTreeNode``.
+
+  >>> import jax.numpy as jnp
+  >>> box = Partitioned(jnp.ones((2, 4)), (None, 'model'))
+  >>> get_partition_spec({'w': box, 'n': 3})
+  {'n': None, 'w': P(None, 'model')}
   """
 
   value: Any
   names: tuple = dataclasses.field(metadata=dict(static=True))
   mesh: Any = dataclasses.field(default=None, metadata=dict(static=True))
 
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    _register_box(cls)
+
   def unbox(self, apply_constraint: bool = True):
-    if apply_constraint and (self.mesh is not None or _global_mesh()):
+    if apply_constraint and (self.mesh is not None or global_mesh_defined()):
       spec = self.get_partition_spec()
       target = (jax.sharding.NamedSharding(self.mesh, spec)
                 if self.mesh is not None else spec)
@@ -125,7 +182,10 @@ class Partitioned(AxisMetadata):
     return self.replace(names=tuple(names))
 
   def remove_axis(self, index, params):
+    expected = self._axis_name(params)
     names = list(self.names)
+    if names[index] != expected:
+      raise errors.PartitionAxisMismatchError(self.names, index, expected)
     names.pop(index)
     return self.replace(names=tuple(names))
 
@@ -135,25 +195,57 @@ class Partitioned(AxisMetadata):
   def get_sharding(self, mesh):
     return jax.sharding.NamedSharding(mesh, self.get_partition_spec())
 
+  def to_nnx_metadata(self) -> dict:
+    """The box's fields as ``nnx.Variable`` metadata (``names`` is called
+    ``out_sharding`` there)."""
+    md = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    md['out_sharding'] = md.pop('names')
+    return md
+
+  @classmethod
+  def from_nnx_metadata(cls, metadata: dict):
+    """The inverse of ``to_nnx_metadata`` (extra keys are ignored)."""
+    md = dict(metadata)
+    md['names'] = md.pop('out_sharding')
+    known = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in md.items() if k in known})
+
+
+Partitioned = _register_box(Partitioned)
+
 
 def with_partitioning(fn, names, mesh=None):
   """Wraps an initializer so that its output is boxed as Partitioned."""
 
+  @functools.wraps(fn)
   def wrapper(*args, **kwargs):
     return Partitioned(fn(*args, **kwargs), tuple(names), mesh=mesh)
 
   return wrapper
 
 
+def _leaf_spec(x):
+  if hasattr(x, 'get_partition_spec'):
+    return x.get_partition_spec()
+  if hasattr(x, 'shape'):
+    return jax.sharding.PartitionSpec()
+  return None
+
+
 def get_partition_spec(tree):
-  """PartitionSpecs for boxed leaves; an empty spec for plain arrays."""
-  return jax.tree_util.tree_map(
-      lambda x: x.get_partition_spec() if isinstance(x, Partitioned)
-      else jax.sharding.PartitionSpec(), tree, is_leaf=is_axis_metadata)
+  """PartitionSpecs of the boxes in ``tree``; an empty spec for plain
+  arrays, None for other leaves (Python numbers, strings, ...)."""
+  return jax.tree_util.tree_map(_leaf_spec, tree, is_leaf=is_axis_metadata)
 
 
 def get_sharding(tree, mesh):
-  return jax.tree_util.tree_map(
-      lambda x: x.get_sharding(mesh) if isinstance(x, Partitioned)
-      else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
-      tree, is_leaf=is_axis_metadata)
+  """NamedShardings over ``mesh`` for the leaves of ``tree``, as
+  ``get_partition_spec`` (None for leaves that are not arrays)."""
+
+  def sharding(x):
+    if hasattr(x, 'get_sharding'):
+      return x.get_sharding(mesh)
+    spec = _leaf_spec(x)
+    return None if spec is None else jax.sharding.NamedSharding(mesh, spec)
+
+  return jax.tree_util.tree_map(sharding, tree, is_leaf=is_axis_metadata)

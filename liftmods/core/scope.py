@@ -510,8 +510,9 @@ def _expected_shapes(init_fn, init_args, init_kwargs):
     key = None
   abstract = jax.eval_shape(
       lambda: init_fn(jax.random.key(0), *init_args, **init_kwargs))
-  shapes = tuple(np.shape(x) for x in jax.tree_util.tree_leaves(
-      meta.unbox(abstract)))
+  # Boxes are pytrees over their value: the leaves are the abstract arrays.
+  # (Unboxing would apply a box's sharding constraint to them.)
+  shapes = tuple(np.shape(x) for x in jax.tree_util.tree_leaves(abstract))
   if key is not None:
     if len(_SHAPE_CACHE) >= _SHAPE_CACHE_LIMIT:
       _SHAPE_CACHE.clear()

@@ -86,6 +86,11 @@ def _flat_init(init_fn, rng, shape, flat_shape, dtype):
   """Calls ``init_fn`` on a 2-D (or 1-D) ``flat_shape`` and reshapes the
   result (inside its metadata box, if any) to ``shape``."""
   value = init_fn(rng, flat_shape, dtype)
+  if isinstance(value, meta.Partitioned):
+    # The box's names describe ``shape``, not the flat value: constraining
+    # the flat value to them fails in a mesh context (as it does in Linen).
+    flat = value.unbox(apply_constraint=False)
+    return value.replace_boxed(jnp.reshape(flat, shape))
   if isinstance(value, meta.AxisMetadata):
     return value.replace_boxed(jnp.reshape(value.unbox(), shape))
   return jnp.reshape(value, shape)

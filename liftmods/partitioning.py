@@ -1,0 +1,260 @@
+"""The older T5X-style partitioning API of Linen (``flax.linen.partitioning``).
+
+Parameters are declared with ``param_with_axes(name, init, ..., axes=...)``:
+the value stays a plain array and its logical axis names are sown into a
+parallel ``params_axes`` collection (``<name>_axes`` entries), which
+``get_axis_names`` turns into a tree of logical PartitionSpecs.
+``scan_with_axes`` / ``vmap_with_axes`` add the stacked axis to those names.
+
+>>> import jax, jax.numpy as jnp
+>>> import liftmods as nn
+>>> from liftmods import partitioning as nn_partitioning
+>>> class Dense(nn.Module):
+...   @nn.compact
+...   def __call__(self, x):
+...     w = nn_partitioning.param_with_axes(
+...         'w', nn.initializers.ones, (x.shape[-1], 4), axes=('embed', 'mlp'))
+...     return x @ w
+>>> variables = Dense().init(jax.random.key(0), jnp.ones((1, 3)))
+>>> nn_partitioning.get_axis_names(variables['params_axes'])['w']
+P('embed', 'mlp')
+"""
+import dataclasses
+import re
+from typing import Any
+
+import jax
+
+from liftmods import errors, transforms
+from liftmods.core import filters, frozen_dict, lift
+from liftmods.core import scope as core_scope
+from liftmods.module import _context
+from liftmods.spmd import (RulesFallback, _is_names, logical_to_mesh,
+                           logical_to_mesh_axes)
+from liftmods.spmd import get_logical_axis_rules as get_axis_rules
+from liftmods.spmd import logical_axis_rules as axis_rules
+from liftmods.spmd import set_logical_axis_rules as set_axis_rules
+from liftmods.spmd import with_logical_constraint as with_sharding_constraint
+
+__all__ = [
+    'AxisMetadata', 'PartitionedVariable', 'RulesFallback', 'axis_rules',
+    'get_axis_names', 'get_axis_rules', 'logical_to_mesh',
+    'logical_to_mesh_axes', 'param_with_axes', 'remat', 'scan_with_axes',
+    'set_axis_rules', 'variable_with_axes', 'vmap_with_axes',
+    'with_sharding_constraint',
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisMetadata:
+  """The logical axis names of one variable, stored in an ``*_axes``
+  collection (a pytree with no array leaves)."""
+
+  names: Any
+
+
+jax.tree_util.register_pytree_node(
+    AxisMetadata, lambda m: ((), m.names), lambda names, _: AxisMetadata(names))
+
+
+def _merge_axes(old, new):
+  """Sow reduction: the first names win; sowing different ones is an error."""
+  if not isinstance(new, AxisMetadata):
+    raise TypeError('Expected newly sown value to be an AxisMetadata')
+  if isinstance(old, AxisMetadata):
+    if old != new:
+      raise ValueError('If axis names are sown twice, expected them to match. '
+                       f'Got {old} and {new}.')
+  elif old:
+    raise AssertionError(f'Non-initial-or-AxisMetadata value encountered: {old}')
+  return new
+
+
+def _current(module):
+  module = _context.module_stack[-1] if module is None else module
+  if module is None:
+    raise ValueError('param_with_axes / variable_with_axes must be called '
+                     'inside a module method (or given module=).')
+  return module
+
+
+def param_with_axes(name: str, init_fn, *init_args, axes=None, module=None,
+                    **init_kwargs):
+  """``module.param`` that also records ``axes`` (one logical name per
+  dimension) in ``params_axes`` and constrains the value to them."""
+  module = _current(module)
+  value = module.param(name, init_fn, *init_args, **init_kwargs)
+  if axes is not None:
+    value = with_sharding_constraint(value, jax.sharding.PartitionSpec(*axes))
+    module.sow('params_axes', f'{name}_axes', AxisMetadata(axes),
+               reduce_fn=_merge_axes)
+  return value
+
+
+class PartitionedVariable(core_scope.Variable):
+  """A Variable whose reads and writes are constrained to its logical axes."""
+
+  __slots__ = ('axes', 'fallback')
+
+  def __init__(self, scope, collection, name, axes=None,
+               fallback=RulesFallback.AXIS_IS_UNSHARDED):
+    super().__init__(scope, collection, name, unbox=False)
+    self.axes = axes
+    self.fallback = fallback
+
+  def _constrain(self, value):
+    if self.axes is None:
+      return value
+    return with_sharding_constraint(value, self.axes, fallback=self.fallback)
+
+  @property
+  def value(self):
+    return self._constrain(self.scope.get_variable(self.collection, self.name))
+
+  @value.setter
+  def value(self, value):
+    self.scope.put_variable(self.collection, self.name, self._constrain(value))
+
+
+def variable_with_axes(collection: str, name: str, init_fn, *init_args,
+                       axes=None, module=None,
+                       fallback=RulesFallback.AXIS_IS_UNSHARDED,
+                       **init_kwargs):
+  """``module.variable`` that records ``axes`` in ``<collection>_axes`` and
+  returns a PartitionedVariable constrained to them."""
+  module = _current(module)
+  scope = module.scope
+  scope.reserve(name, collection)
+  if not scope.has_variable(collection, name):
+    if not scope.is_mutable_collection(collection):
+      raise errors.ScopeVariableNotFoundError(name, collection,
+                                              scope.path_text)
+    value = init_fn(*init_args, **init_kwargs)
+    if axes is not None:
+      value = with_sharding_constraint(value, axes, fallback=fallback)
+    scope.put_variable(collection, name, value)
+  if axes is not None:
+    module.sow(f'{collection}_axes', f'{name}_axes', AxisMetadata(axes),
+               reduce_fn=_merge_axes)
+  return PartitionedVariable(scope, collection, name, axes, fallback)
+
+
+def get_axis_names(axes_metadata):
+  """The logical PartitionSpecs of an ``*_axes`` collection, keyed like the
+  variables (the ``_axes`` suffix dropped)."""
+
+  def specs(names):
+    return jax.tree_util.tree_map(
+        lambda n: None if n is None else jax.sharding.PartitionSpec(*n),
+        names, is_leaf=_is_names)
+
+  def walk(tree):
+    out = {}
+    for key, value in tree.items():
+      if isinstance(value, AxisMetadata):
+        out[re.sub(r'_axes$', '', key)] = specs(value.names)
+      else:
+        out[key] = walk(value)
+    return out
+
+  return frozen_dict.freeze(walk(frozen_dict.unfreeze(axes_metadata)))
+
+
+# -- transforms that keep the axis names in step -------------------------------
+
+
+def _map_names(meta_tree, fn):
+  def one(m):
+    if not isinstance(m, AxisMetadata):
+      return m
+    return m.__class__(jax.tree_util.tree_map(
+        lambda n: None if n is None else fn(list(n)), m.names,
+        is_leaf=_is_names))
+  return jax.tree_util.tree_map(one, meta_tree,
+                                is_leaf=lambda x: isinstance(x, AxisMetadata))
+
+
+def _is_mutable(col: str) -> bool:
+  module = _context.module_stack[-1]
+  return True if module is None else module.is_mutable_collection(col)
+
+
+def _add_axis_to_metadata(fn, axis_pos, axis_name, axis_col='params_axes'):
+  """Wraps ``fn`` so that ``axis_col``'s names gain ``axis_name`` at
+  ``axis_pos`` on the way out and lose it on the way in."""
+  axis_pos = getattr(axis_pos, 'axis', axis_pos)
+
+  def insert(names):
+    names.insert(axis_pos, axis_name)
+    return tuple(names)
+
+  def remove(names):
+    if names[axis_pos] != axis_name:
+      raise ValueError(f'Expected axis {axis_name} at position {axis_pos} in '
+                       f'axis metadata {names}.')
+    names.pop(axis_pos)
+    return tuple(names)
+
+  return transforms.map_variables(
+      fn, axis_col, mutable=_is_mutable(axis_col),
+      trans_in_fn=lambda tree: _map_names(tree, remove),
+      trans_out_fn=lambda tree: _map_names(tree, insert))
+
+
+def scan_with_axes(target, variable_axes={}, variable_broadcast=False,  # pylint: disable=dangerous-default-value
+                   variable_carry=False, split_rngs={}, in_axes=0, out_axes=0,  # pylint: disable=dangerous-default-value
+                   length=None, reverse=False, unroll=1, axis_name='layers',
+                   axes_collections=('params',), data_transform=None,
+                   methods=None):
+  """``nn.scan`` that also stacks the ``*_axes`` names of the scanned
+  collections under ``axis_name`` (the ``*_axes`` collections are broadcast)."""
+  axes_filters = tuple(f'{col}_axes' for col in axes_collections)
+  scanned = transforms.scan(
+      target, variable_axes=variable_axes,
+      variable_broadcast=filters.union(variable_broadcast, axes_filters),
+      variable_carry=variable_carry, split_rngs=split_rngs, in_axes=in_axes,
+      out_axes=out_axes, length=length, reverse=reverse, unroll=unroll,
+      data_transform=data_transform, methods=methods)
+  for col in axes_collections:
+    if col in variable_axes:
+      scanned = _add_axis_to_metadata(scanned, variable_axes[col], axis_name,
+                                      f'{col}_axes')
+  return scanned
+
+
+def vmap_with_axes(target, variable_axes, split_rngs={}, in_axes=0,  # pylint: disable=dangerous-default-value
+                   out_axes=0, axis_size=None, axis_name=None,
+                   partitioning_axis_names={}, spmd_axis_name=None,  # pylint: disable=dangerous-default-value
+                   methods=None):
+  """``nn.vmap`` that also adds ``partitioning_axis_names[col]`` to the names
+  in ``<col>_axes`` for each vmapped collection."""
+  variable_axes = dict(variable_axes)
+  for col in partitioning_axis_names:
+    variable_axes[f'{col}_axes'] = None
+  vmapped = transforms.vmap(
+      target, variable_axes=variable_axes, split_rngs=split_rngs,
+      in_axes=in_axes, out_axes=out_axes, axis_size=axis_size,
+      axis_name=axis_name, spmd_axis_name=spmd_axis_name, methods=methods)
+  for col, axis in variable_axes.items():
+    if col in partitioning_axis_names:
+      vmapped = _add_axis_to_metadata(vmapped, axis,
+                                      partitioning_axis_names[col],
+                                      f'{col}_axes')
+  return vmapped
+
+
+def remat(target, variables=True, rngs=True, concrete=False, prevent_cse=True,
+          static_argnums=(), policy=None, methods=None):
+  """``nn.remat`` whose ``static_argnums`` count from the first argument
+  after ``self`` (argument 0 is the first non-module argument)."""
+  if concrete:
+    raise NotImplementedError(
+        'The concrete argument is deprecated. Use static_argnums instead.')
+  if isinstance(static_argnums, int):
+    static_argnums = (static_argnums,)
+  # Named like Linen's lifted class (``Core_remat_static<Module>``), so the
+  # auto-names, and with them the parameter keys, match.
+  return transforms.lift_transform(
+      lift.checkpoint, 'core_remat_static', target, variables=variables,
+      rngs=rngs, concrete=False, prevent_cse=prevent_cse,
+      static_argnums=tuple(static_argnums), policy=policy, methods=methods)

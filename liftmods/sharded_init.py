@@ -1,0 +1,187 @@
+"""Sharded initialisation in one call: every parameter is created directly
+in its shards on the mesh, never whole on one device.
+
+``init_sharded(module, mesh, rules)(rngs, *args)`` traces ``module.init``
+abstractly, reads each variable's partitioning from its box
+(``Partitioned``: mesh axis names; ``LogicallyPartitioned``: logical names
+mapped through ``rules``; a plain array: replicated), checks it against the
+mesh, and runs ``init`` under ``jax.jit`` with those ``out_shardings``. With
+JAX's partitionable threefry (``jax_threefry_partitionable``, on by default)
+XLA generates each shard's random bits where the shard lives, and the values
+equal an unsharded ``module.init`` with the same key.
+
+>>> import jax, jax.numpy as jnp
+>>> import liftmods as nn
+>>> mesh = jax.make_mesh((1,), ('model',),
+...                      axis_types=(jax.sharding.AxisType.Auto,))
+>>> dense = nn.Dense(4, kernel_init=nn.with_logical_partitioning(
+...     nn.initializers.lecun_normal(), ('embed', 'mlp')))
+>>> variables, shardings = nn.init_sharded(dense, mesh, (('mlp', 'model'),))(
+...     jax.random.key(0), jnp.ones((2, 3)))
+>>> shardings['params']['kernel'].spec
+P(None, 'model')
+>>> bool((variables['params']['kernel'] ==
+...       nn.unbox(dense.init(jax.random.key(0), jnp.ones((2, 3))))['params']
+...       ['kernel']).all())
+True
+"""
+import math
+import warnings
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from liftmods import errors
+from liftmods.core import meta
+from liftmods.spmd import (LogicallyPartitioned, RulesFallback, _UNASSIGNED,
+                           _assign, get_logical_axis_rules, logical_axis_rules)
+
+
+def init_sharded(module, mesh, rules=None, *, unbox: bool = True,
+                 fallback=RulesFallback.AXIS_IS_UNSHARDED, **init_kwargs):
+  """Returns ``fn(rngs, *args, **kwargs) -> (variables, shardings)``.
+
+  ``variables`` are ``module.init(rngs, *args, **init_kwargs, **kwargs)``
+  created sharded over ``mesh`` (unboxed unless ``unbox=False``);
+  ``shardings`` is the matching tree of ``NamedSharding``s, ready for a
+  train step's ``in_shardings`` / ``out_shardings``. ``rules`` (default: the
+  rules context) map logical names; a logical name no rule maps is
+  replicated, or raises ``LogicalAxisUnmappedError`` with
+  ``fallback=RulesFallback.RAISE_ERROR``. A spec naming a mesh axis the mesh
+  lacks, or sharding a dimension its mesh axes do not divide, raises a
+  ``ShardingError`` naming the variable's module path.
+  """
+  if not jax.config.jax_threefry_partitionable:
+    warnings.warn(
+        'jax_threefry_partitionable is off: random initializers may be '
+        'computed at full size before being sharded. Enable it with '
+        'jax.config.update("jax_threefry_partitionable", True).')
+
+  def prepare(rngs, args, kwargs):
+    active = get_logical_axis_rules() if rules is None else rules
+    dynamic, rebuild = _split((rngs, args, kwargs))
+
+    def call(dynamic):
+      rngs, args, kwargs = rebuild(dynamic)
+      return module.init(rngs, *args, **init_kwargs, **kwargs)
+
+    def run(dynamic):
+      variables = call(dynamic)
+      return _strip(variables) if unbox else variables
+
+    with logical_axis_rules(active):
+      boxed = jax.eval_shape(call, dynamic)
+      shardings = mesh_shardings(boxed, mesh, active, fallback)
+    jitted = jax.jit(run, out_shardings=shardings)
+    return jitted, dynamic, shardings, active
+
+  def init_fn(rngs, *args, **kwargs):
+    jitted, dynamic, shardings, active = prepare(rngs, args, kwargs)
+    with logical_axis_rules(active):
+      return jitted(dynamic), shardings
+
+  def lower(rngs, *args, **kwargs):
+    """``(jax.stages.Lowered, shardings)`` of the sharded init, e.g. for
+    ``.compile().memory_analysis()``."""
+    jitted, dynamic, shardings, active = prepare(rngs, args, kwargs)
+    with logical_axis_rules(active):
+      return jitted.lower(dynamic), shardings
+
+  init_fn.lower = lower
+  return init_fn
+
+
+def mesh_shardings(boxed, mesh, rules=(), fallback=RulesFallback.AXIS_IS_UNSHARDED):
+  """The NamedSharding over ``mesh`` of every variable in ``boxed`` (a tree
+  of boxes / arrays / ShapeDtypeStructs), checked against the mesh."""
+  paths, treedef = jax.tree_util.tree_flatten_with_path(
+      boxed, is_leaf=meta.is_axis_metadata)
+  out = [_leaf_sharding(path, leaf, mesh, rules, fallback)
+         for path, leaf in paths]
+  return treedef.unflatten(out)
+
+
+def _leaf_sharding(path, leaf, mesh, rules, fallback):
+  value = leaf
+  while isinstance(value, meta.AxisMetadata):
+    value = (value.unbox(apply_constraint=False)
+             if isinstance(value, meta.Partitioned) else value.unbox())
+  if not hasattr(value, 'shape'):
+    return None
+  if isinstance(leaf, LogicallyPartitioned):
+    spec = _logical_spec(path, leaf, rules, fallback)
+  elif isinstance(leaf, meta.Partitioned):
+    spec = leaf.get_partition_spec()
+  else:
+    spec = PartitionSpec()
+  _check(path, np.shape(value), spec, mesh)
+  return NamedSharding(mesh, spec)
+
+
+def _logical_spec(path, box, rules, fallback):
+  rules = box.rules if box.rules is not None else rules
+  axes = _assign(box.names, rules)
+  if any(a is _UNASSIGNED for a in axes):
+    if fallback == RulesFallback.RAISE_ERROR:
+      raise errors.LogicalAxisUnmappedError(_where(path), box.names, rules)
+    axes = [None if a is _UNASSIGNED else a for a in axes]
+  return PartitionSpec(*axes)
+
+
+def _check(path, shape, spec, mesh):
+  if len(spec) > len(shape):
+    raise errors.ShardingError(
+        f'{_where(path)}: partition spec {spec} has {len(spec)} entries but '
+        f'the variable has shape {tuple(shape)}.')
+  for dim, entry in enumerate(spec):
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+      continue
+    axes = entry if isinstance(entry, tuple) else (entry,)
+    for axis in axes:
+      if axis not in mesh.shape:
+        raise errors.MeshAxisNotFoundError(_where(path), spec, axis,
+                                           mesh.axis_names)
+    size = math.prod(mesh.shape[a] for a in axes)
+    if shape[dim] % size:
+      raise errors.ShardingDivisibilityError(_where(path), shape, spec, dim,
+                                             size)
+
+
+def _where(path) -> str:
+  """'Variable "kernel" of collection "params" at /Dense_0' from a key path."""
+  keys = [str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k))))
+          for k in path]
+  if len(keys) < 2:
+    return f'Variable {"/".join(keys)!r}'
+  col, *module_path, name = keys
+  return (f'Variable "{name}" of collection "{col}" at '
+          f'/{"/".join(module_path)}')
+
+
+def _strip(tree):
+  """Removes every box without applying its sharding constraint."""
+  def one(box):
+    inner = (box.unbox(apply_constraint=False)
+             if isinstance(box, meta.Partitioned) else box.unbox())
+    return _strip(inner)
+  return meta.map_axis_meta(one, tree)
+
+
+def _is_dynamic(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+
+
+def _split(tree):
+  """``(arrays, rebuild)``: the array leaves of ``tree`` and a function that
+  puts new ones back; other leaves stay static Python values."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  where = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+
+  def rebuild(arrays):
+    new = list(leaves)
+    for i, x in zip(where, arrays):
+      new[i] = x
+    return treedef.unflatten(new)
+
+  return [leaves[i] for i in where], rebuild

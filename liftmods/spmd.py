@@ -1,0 +1,251 @@
+"""Logical axis names: annotate arrays with model-level names ('batch',
+'embed', 'mlp', ...) and map them to mesh axes with rules, as Linen's
+``flax.linen.spmd``.
+
+Rules are ``(logical_name, mesh_axes)`` pairs in order of precedence;
+``mesh_axes`` is a mesh axis name, a tuple of them, or None (replicated).
+For each dimension the first rule naming it wins, unless one of the rule's
+mesh axes is already used by another dimension of the same array; a name no
+rule can place is replicated.
+
+>>> rules = (('batch', 'data'), ('embed', 'data'), ('mlp', 'model'))
+>>> logical_to_mesh_axes(('batch', 'embed', 'mlp'), rules)
+P('data', None, 'model')
+>>> with logical_axis_rules(rules):
+...   logical_to_mesh_axes(('embed', None))
+P('data', None)
+"""
+import contextlib
+import dataclasses
+import enum
+import functools
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from liftmods.core import meta
+
+# Type aliases under Linen's names, for annotations.
+Array = jax.Array
+ArrayPytree = Any
+LogicalNames = tuple
+LogicalPartitionSpec = Any  # a PartitionSpec of logical names, or None
+LogicalPartitionSpecPytree = Any
+LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+
+
+# -- the rules context ---------------------------------------------------------
+
+
+class _Rules(threading.local):
+  rules: tuple = ()
+
+
+_state = _Rules()
+
+
+def set_logical_axis_rules(rules):
+  """Sets this thread's logical-to-mesh axis rules."""
+  _state.rules = rules
+
+
+def get_logical_axis_rules():
+  """This thread's logical-to-mesh axis rules (``()`` when none are set)."""
+  return _state.rules
+
+
+@contextlib.contextmanager
+def logical_axis_rules(rules):
+  """Uses ``rules`` inside the ``with`` block, restoring the old ones after."""
+  old = _state.rules
+  _state.rules = rules
+  try:
+    yield
+  finally:
+    _state.rules = old
+
+
+# -- logical names to mesh axes ------------------------------------------------
+
+
+class _Unassigned:
+  """Marks a logical dimension that no rule has placed yet."""
+
+  def __repr__(self):
+    return 'UnassignedAxis'
+
+  def __bool__(self):
+    return False
+
+
+_UNASSIGNED = _Unassigned()
+
+
+def _mesh_axes_of(entry) -> set:
+  if entry is None or entry is _UNASSIGNED:
+    return set()
+  if isinstance(entry, (tuple, list)):
+    return {a for a in entry if a is not None}
+  return {entry}
+
+
+def _assign(names, rules=None) -> list | None:
+  """Per dimension: the mesh axes of the winning rule, ``_UNASSIGNED`` for a
+  logical name no rule placed, and non-string entries unchanged."""
+  if names is None:
+    return None
+  if rules is None:
+    rules = get_logical_axis_rules()
+  names = tuple(names)
+  strings = [n for n in names if isinstance(n, str)]
+  dups = tuple(dict.fromkeys(n for n in strings if strings.count(n) > 1))
+  if dups:
+    raise ValueError(
+        f'Unsupported: Dimensions {dups} occur more than once in array names.')
+  if not isinstance(rules, (tuple, list)):
+    raise ValueError('Unknown axis rule specification type.')
+  out = [_UNASSIGNED if isinstance(n, str) else n for n in names]
+  for logical, mesh_axes in rules:
+    if logical not in names:
+      continue
+    pos = names.index(logical)
+    if out[pos] is not _UNASSIGNED:
+      continue
+    used = set().union(*map(_mesh_axes_of, out))
+    new = _mesh_axes_of(mesh_axes) - {PartitionSpec.UNCONSTRAINED}
+    if not used & new:
+      out[pos] = mesh_axes
+  return out
+
+
+def logical_to_mesh_axes(array_dim_names, rules=None):
+  """The mesh PartitionSpec of an array whose dimensions have the logical
+  ``array_dim_names`` (None gives None). ``rules`` default to the context's."""
+  out = _assign(array_dim_names, rules)
+  if out is None:
+    return None
+  return PartitionSpec(*(None if a is _UNASSIGNED else a for a in out))
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, PartitionSpec)
+
+
+def logical_to_mesh(tree, rules=None):
+  """``logical_to_mesh_axes`` on every PartitionSpec in ``tree``."""
+  return jax.tree_util.tree_map(lambda x: logical_to_mesh_axes(x, rules),
+                                tree, is_leaf=_is_spec)
+
+
+def logical_to_mesh_sharding(tree, mesh, rules=None):
+  """NamedShardings over ``mesh`` for a tree of logical PartitionSpecs."""
+  return jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec),
+                                logical_to_mesh(tree, rules), is_leaf=_is_spec)
+
+
+# -- constraints ---------------------------------------------------------------
+
+
+class RulesFallback(enum.Enum):
+  """What ``with_logical_constraint`` does with a name no rule maps."""
+
+  AXIS_IS_UNSHARDED = 'axis_is_unsharded'
+  RAISE_ERROR = 'raise_error'
+  NO_CONSTRAINT = 'no_constraint'
+
+
+def _constrain(x, spec, mesh):
+  """``lax.with_sharding_constraint`` when a mesh is known, else ``x``."""
+  if mesh is None and not meta.global_mesh_defined():
+    return x
+  if mesh is not None and spec is not None:
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+  return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _constrain_one(names, x, fallback, rules, mesh):
+  axes = _assign(names, rules)
+  if axes is None:
+    return _constrain(x, None, mesh)
+  if any(a is _UNASSIGNED for a in axes):
+    if fallback == RulesFallback.RAISE_ERROR:
+      raise ValueError(f'Axis names {names} did not match a rule')
+    if fallback == RulesFallback.NO_CONSTRAINT:
+      return x
+    axes = [None if a is _UNASSIGNED else a for a in axes]
+  return _constrain(x, PartitionSpec(*axes), mesh)
+
+
+def _is_name(x) -> bool:
+  return x is None or isinstance(x, str) or x is PartitionSpec.UNCONSTRAINED
+
+
+def _is_names(x) -> bool:
+  return x is None or (isinstance(x, tuple) and all(map(_is_name, x)))
+
+
+def with_logical_constraint(x, logical_axis_resources, rules=None, mesh=None,
+                            fallback=RulesFallback.AXIS_IS_UNSHARDED):
+  """``jax.lax.with_sharding_constraint`` in logical names: constrains each
+  array of ``x`` to the mesh axes its names map to. Does nothing without
+  rules, or without a mesh (``mesh`` or a mesh context)."""
+  if rules is None:
+    rules = get_logical_axis_rules()
+  if not rules or logical_axis_resources is None:
+    return x
+  one = functools.partial(_constrain_one, fallback=fallback, rules=rules,
+                          mesh=mesh)
+  return jax.tree_util.tree_map(one, logical_axis_resources, x,
+                                is_leaf=_is_names)
+
+
+# -- logically partitioned variables -------------------------------------------
+
+
+class LogicallyPartitioned(meta.Partitioned):
+  """A Partitioned box whose names are logical: unboxing constrains the
+  value through the rules (the box's own, else the context's).
+
+  >>> import jax.numpy as jnp
+  >>> init = with_logical_partitioning(jnp.zeros, ('embed', 'mlp'))
+  >>> box = init((4, 8))
+  >>> box.get_partition_spec()
+  P('embed', 'mlp')
+  >>> logical_to_mesh(box.get_partition_spec(), (('mlp', 'model'),))
+  P(None, 'model')
+  """
+
+  rules: Any = dataclasses.field(default=None, metadata=dict(static=True))
+
+  def unbox(self, apply_constraint: bool = True):
+    if apply_constraint and (self.mesh is not None or
+                             meta.global_mesh_defined()):
+      return with_logical_constraint(self.value, self.get_partition_spec(),
+                                     rules=self.rules, mesh=self.mesh)
+    return self.value
+
+  def to_nnx_metadata(self) -> dict:
+    md = super().to_nnx_metadata()
+    md['sharding_rules'] = md.pop('rules')
+    return md
+
+  @classmethod
+  def from_nnx_metadata(cls, metadata: dict):
+    md = dict(metadata)
+    md['rules'] = md.pop('sharding_rules')
+    return super().from_nnx_metadata(md)
+
+
+def with_logical_partitioning(fn, names, mesh=None, rules=None):
+  """Wraps an initializer so that its output is boxed as LogicallyPartitioned
+  with the logical ``names`` (and optional ``mesh`` / ``rules``)."""
+
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    return LogicallyPartitioned(fn(*args, **kwargs), tuple(names), mesh=mesh,
+                                rules=rules)
+
+  return wrapper
