@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -64,6 +66,27 @@ def test_logical_to_mesh_axes_matches_linen(rules):
     with nn.logical_axis_rules(rules), fnn.logical_axis_rules(rules):
       assert nn.logical_to_mesh_axes(names) == fnn.logical_to_mesh_axes(names)
   assert nn.logical_to_mesh_axes(None, rules) is None
+
+
+_LOGICAL = st.sampled_from(['batch', 'embed', 'mlp', 'heads', 'kv', None])
+_MESH = st.one_of(st.none(), st.sampled_from(['data', 'model', 'fsdp']),
+                  st.lists(st.sampled_from(['data', 'model', 'fsdp']),
+                           min_size=1, max_size=2).map(tuple))
+
+
+@settings(max_examples=60, deadline=None)
+@given(names=st.lists(_LOGICAL, max_size=4),
+       rules=st.lists(st.tuples(_LOGICAL.filter(bool), _MESH), max_size=6))
+def test_logical_to_mesh_axes_matches_linen_on_random_rules(names, rules):
+  names, rules = tuple(names), tuple(rules)
+  try:
+    expected = fnn.logical_to_mesh_axes(names, rules)
+  except ValueError as e:
+    with pytest.raises(ValueError, match='occur more than once'):
+      nn.logical_to_mesh_axes(names, rules)
+    assert 'occur more than once' in str(e)
+    return
+  assert nn.logical_to_mesh_axes(names, rules) == expected
 
 
 def test_logical_to_mesh_axes_errors_match_linen():
