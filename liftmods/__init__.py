@@ -54,3 +54,6 @@ from liftmods.transforms import (add_metadata_axis, checkpoint, cond,
                                  custom_vjp, grad, jit, jvp, map_variables,
                                  named_call, remat, remat_scan, scan, switch,
                                  value_and_grad, vjp, vmap, while_loop)
+from liftmods.stack import (Stack, StackPolicy, stack_layers,
+                            unstack_layers)
+from jax.ad_checkpoint import checkpoint_name

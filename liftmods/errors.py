@@ -308,3 +308,7 @@ class PartitioningUnspecifiedError(LiftError):
         'that adds an axis, but metadata_params has no "partition_name". '
         'Pass metadata_params={"partition_name": "layers"} (or None for an '
         'unsharded axis).')
+
+
+class StackError(LiftError):
+  """A layer stack (nn.Stack) is called in a way its block cannot take."""
