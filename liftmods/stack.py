@@ -344,14 +344,16 @@ def _nested(run, c, xs, length, group, policy, offload, in_loop):
         names_which_can_be_saved=(), names_which_can_be_offloaded=(
             GROUP_CARRY,), offload_src='device', offload_dst='pinned_host')
 
-  def one_group(n):
+  def one_group(n, looped):
     def body(c, sliced):
       if group_policy is not None:
         c = _tag(c, GROUP_CARRY)
       return run(c, sliced, n)
-    return jax.checkpoint(body, policy=group_policy, prevent_cse=not in_loop)
+    # Outside a loop, XLA could merge the recomputation into the forward
+    # pass and keep every activation; prevent_cse stops that.
+    return jax.checkpoint(body, policy=group_policy, prevent_cse=not looped)
 
-  full = one_group(group)
+  full = one_group(group, in_loop)
   main = jax.tree_util.tree_map(
       lambda a: a[:n_full * group].reshape((n_full, group) + a.shape[1:]), xs)
   if in_loop:
@@ -365,7 +367,7 @@ def _nested(run, c, xs, length, group, policy, offload, in_loop):
       parts.append(out)
     outs = jax.tree_util.tree_map(lambda *a: jnp.concatenate(a), *parts)
   if rest:
-    c, tail = one_group(rest)(c, _take(xs, n_full * group, length))
+    c, tail = one_group(rest, False)(c, _take(xs, n_full * group, length))
     outs = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b]), outs,
                                   tail)
   return c, outs
