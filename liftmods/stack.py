@@ -232,15 +232,15 @@ def _check_carry(path, block, fold, c_in, out):
     c_out, ys = out
   if jax.tree_util.tree_structure(c_in) != jax.tree_util.tree_structure(
       c_out) or _avals(c_in) != _avals(c_out):
-    kind = 'fold: a fold block maps x -> x' if fold else (
-        'scan: the carry of (carry, output)')
-    hint = (' (it looks like a scan block returning (carry, output): use '
-            'stack.scan)' if fold and isinstance(out, tuple) and len(out) == 2
+    what = ('a fold block must map x -> x' if fold else
+            'a scan block must return (x, output) with x')
+    hint = (' It returned a pair: for a block returning (carry, output) use '
+            'stack.scan.' if fold and isinstance(out, tuple) and len(out) == 2
             else '')
     raise errors.StackError(
         f'Stack at {path}: {block}.__call__ returned a carry of '
-        f'{_avals(c_out)}, but received {_avals(c_in)}; in a {kind} must keep '
-        f'its structure, shape and dtype{hint}.')
+        f'{_avals(c_out)}, but received {_avals(c_in)}; {what} of the same '
+        f'structure, shape and dtype.{hint}')
   return c_out, ys
 
 
@@ -427,8 +427,8 @@ def _check_signature(block, path, n_args, kw_names):
 def _run(self, block, config, fold, x, args, kwargs):
   path = self.scope.path_text
   length, mode = config['length'], config['mode']
-  _check_signature(block, path, len(args), tuple(kwargs))
   axes = _normalize_in_axes(config['in_axes'], len(args), path)
+  _check_signature(block, path, len(args), tuple(kwargs))
   for i, (arg, axis) in enumerate(zip(args, axes)):
     if axis == 0:
       _check_per_layer(path, i, arg, length)
