@@ -8,8 +8,11 @@ output; the gradient w.r.t. the parameters is jitted. For each row:
 
 - temp MiB: ``jax.jit(grad).lower(...).compile().memory_analysis()``
   ``temp_size_in_bytes`` (deterministic), plus host temp bytes;
-- compile s: lowering + compilation time (one run; not a median);
-- step ms: median of ``--repeats`` calls of the compiled gradient.
+- compile s: lowering + compilation time, best of ``--compile_repeats``
+  fresh jits;
+- step ms: median of ``--repeats`` calls of the compiled gradient, taken
+  round-robin over the rows (one call of each row per round) so that load
+  changes on a shared machine hit every row alike.
 
 Rows marked with another depth (prime, unrolled) are compared with the flat
 ``Stack('full')`` row at the same depth, printed next to them.
@@ -26,16 +29,16 @@ from jax import lax
 import jax.numpy as jnp
 
 import liftmods as lnn
-from benchmarks import common
 
 flags.DEFINE_integer('depth', 64, 'number of blocks D')
 flags.DEFINE_integer('hidden', 64, 'width H')
 flags.DEFINE_integer('batch', 2048, 'batch size')
 flags.DEFINE_integer('repeats', 5, 'timed calls per row (median reported)')
 flags.DEFINE_integer('prime_depth', 61, 'depth of the prime-L nested rows')
-flags.DEFINE_integer('unrolled_depth', 16,
+flags.DEFINE_integer('unrolled_depth', 8,
                      'depth of the unrolled-mode rows (unrolled compile time '
                      'grows with depth)')
+flags.DEFINE_integer('compile_repeats', 2, 'fresh compiles per row (best)')
 flags.DEFINE_list('rows', [], 'only these rows (default: all)')
 flags.DEFINE_bool('time_steps', True, 'measure step time (slow on CPU)')
 F = flags.FLAGS
@@ -157,6 +160,8 @@ def rows(depth, hidden):
                                                      policy='full')),
       ('liftmods_nested_L%d' % prime, prime, stack_net(prime, hidden,
                                                        policy='nested')),
+      ('liftmods_nested_5_L%d' % prime, prime, stack_net(
+          prime, hidden, policy=policy(nested=5))),
       ('liftmods_full_L%d' % unrolled, unrolled, stack_net(
           unrolled, hidden, policy='full')),
       ('unrolled_none_L%d' % unrolled, unrolled, stack_net(
@@ -174,12 +179,23 @@ def measure(model, variables, x):
   def loss(v):
     return jnp.mean(model.apply(v, x))
 
-  start = time.perf_counter()
-  compiled = jax.jit(jax.grad(loss)).lower(variables).compile()
-  compile_s = time.perf_counter() - start
+  compile_s = float('inf')
+  for _ in range(F.compile_repeats):
+    start = time.perf_counter()
+    compiled = jax.jit(jax.grad(lambda v: loss(v))).lower(variables).compile()  # pylint: disable=unnecessary-lambda
+    compile_s = min(compile_s, time.perf_counter() - start)
   stats = compiled.memory_analysis()
   host = getattr(stats, 'host_temp_size_in_bytes', 0)
   return stats.temp_size_in_bytes, host, compile_s, compiled
+
+
+PAIRS = (  # (liftmods row, equivalent row)
+    ('liftmods_none', 'linen_scan'),
+    ('liftmods_full', 'linen_scan_remat'),
+    ('liftmods_save_named', 'linen_remat_named'),
+    ('liftmods_nested', 'jax_nested_8x8'),
+    ('liftmods_nested', 'linen_remat_scan_8x8'),
+)
 
 
 def main(argv):
@@ -188,9 +204,7 @@ def main(argv):
   x = jax.random.normal(jax.random.key(1), (F.batch, hidden), jnp.float32)
   print(f'backend={jax.default_backend()} D={depth} H={hidden} '
         f'batch={F.batch} f32; temp = compiled grad temp bytes')
-  variables = {}
-  results = {}
-  grads = {}
+  variables, results, compiled = {}, {}, {}
   for label, d, model in rows(depth, hidden):
     if F.rows and label not in F.rows:
       continue
@@ -201,44 +215,62 @@ def main(argv):
       v = {'params': {'blocks': jax.tree_util.tree_map(
           lambda a: a.reshape((8, d // 8) + a.shape[1:]),
           v['params']['blocks'])}}
-    temp, host, compile_s, compiled = measure(model, v, x)
-    step = None
-    if F.time_steps:
-      step = common.time_calls(lambda: compiled(v), F.repeats)['median']
-      g = compiled(v)['params']['blocks']
-      if label.startswith('linen_remat_scan'):
-        g = jax.tree_util.tree_map(lambda a: a.reshape((d,) + a.shape[2:]), g)
-      grads[label] = (d, g)
-    results[label] = (d, temp, host, compile_s, step)
+    temp, host, compile_s, fn = measure(model, v, x)
+    compiled[label] = (fn, v)
+    results[label] = dict(depth=d, temp=temp, host=host, compile=compile_s)
     print(f'  {label:<26} D={d:<3} temp {temp / MIB:9.2f} MiB  host '
-          f'{host / MIB:6.2f} MiB  compile {compile_s:6.2f} s'
-          + (f'  step {step * 1e3:9.1f} ms' if step else ''), flush=True)
+          f'{host / MIB:6.2f} MiB  compile {compile_s:6.2f} s', flush=True)
 
-  print('\nSummary (ratios against the same-depth reference rows)')
-  base = {d: r for label, r in ((k, v) for k, v in results.items())
-          for d in [r[0]] if label.startswith('liftmods_full')}
-  fastest = min((r[4] for r in results.values() if r[0] == depth and r[4]),
-                default=None)
-  for label, (d, temp, host, compile_s, step) in results.items():
-    ref = base.get(d)
-    parts = [f'  {label:<26} temp {temp / MIB:9.2f} MiB']
-    if ref:
-      parts.append(f'compile {compile_s - ref[3]:+6.2f} s vs full')
-    if step and fastest and d == depth:
-      parts.append(f'step {step / fastest:5.2f}x fastest')
-    print('  '.join(parts))
-  if 'liftmods_nested' in results and 'linen_remat_scan_8x8' in results:
-    n = results['liftmods_nested'][1]
-    print(f'\nnested 8x8 vs linen remat_scan: '
-          f'{n / results["linen_remat_scan_8x8"][1]:.2f}x temp')
-  ref_g = grads.get('liftmods_none') or grads.get('linen_scan')
-  if ref_g:
-    for label, (d, g) in grads.items():
-      if d != ref_g[0]:
-        continue
-      err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
-          jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(ref_g[1])))
-      print(f'  grad max|diff| {label:<26} {err:.2e}')
+  if F.time_steps:
+    # Round-robin: one call of every row per round, so that load changes on
+    # a shared machine hit all rows alike; median over rounds.
+    times = {label: [] for label in compiled}
+    for fn, v in compiled.values():
+      jax.block_until_ready(fn(v))
+    for _ in range(F.repeats):
+      for label, (fn, v) in compiled.items():
+        start = time.perf_counter()
+        jax.block_until_ready(fn(v))
+        times[label].append(time.perf_counter() - start)
+    for label, t in times.items():
+      results[label]['step'] = sorted(t)[len(t) // 2]
+
+  print('\n| row | D | temp MiB | compile s | step ms |')
+  print('|---|---|---|---|---|')
+  for label, r in results.items():
+    step = f'{r["step"] * 1e3:.0f}' if 'step' in r else '-'
+    print(f'| {label} | {r["depth"]} | {r["temp"] / MIB:.2f} | '
+          f'{r["compile"]:.2f} | {step} |')
+
+  print('\nliftmods vs equivalent (ratio; compile difference)')
+  for a, b in PAIRS:
+    if a in results and b in results:
+      ra, rb = results[a], results[b]
+      line = (f'  {a} / {b}: temp {ra["temp"] / rb["temp"]:.2f}x, compile '
+              f'{ra["compile"] - rb["compile"]:+.2f} s')
+      if 'step' in ra:
+        line += f', step {ra["step"] / rb["step"]:.2f}x'
+      print(line)
+  for label, r in results.items():
+    flat = f'liftmods_full_L{r["depth"]}' if r['depth'] != depth else (
+        'liftmods_full')
+    if label != flat and flat in results and 'nested' in label:
+      print(f'  {label} vs {flat}: temp {r["temp"] / results[flat]["temp"]:.2f}x'
+            f', compile {r["compile"] - results[flat]["compile"]:+.2f} s')
+
+  # Every row computes the same gradient (remat_scan in its own layout).
+  ref = {}
+  for label, (fn, v) in compiled.items():
+    d = results[label]['depth']
+    g = fn(v)['params']['blocks']
+    if label.startswith('linen_remat_scan'):
+      g = jax.tree_util.tree_map(lambda a: a.reshape((d,) + a.shape[2:]), g)
+    if d not in ref:
+      ref[d] = (label, g)
+      continue
+    err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
+        jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(ref[d][1])))
+    print(f'  grad max|diff| {label} vs {ref[d][0]}: {err:.1e}')
 
 
 if __name__ == '__main__':

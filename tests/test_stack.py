@@ -2,6 +2,7 @@
 flax.linen), fold/scan results and gradients equal across modes and
 policies, layout conversion, policies' memory ordering, errors."""
 import contextlib
+import doctest
 import io
 import warnings
 
@@ -13,6 +14,7 @@ import pytest
 
 import liftmods as lnn
 from liftmods import errors
+from liftmods import stack as stack_lib
 from liftmods.stack import StackOffloadWarning
 
 
@@ -403,3 +405,8 @@ def test_offload_on_cpu_warns_and_keeps_gradients():
     warnings.simplefilter('error')
     g_plain = grad('full')
   assert tree_close(g, g_plain)
+
+
+def test_docstring_examples():
+  result = doctest.testmod(stack_lib, optionflags=doctest.ELLIPSIS)
+  assert result.attempted > 0 and result.failed == 0
