@@ -60,7 +60,8 @@ __version__ = '0.1.0'
 # Linen's submodule namespaces (nn.linear, nn.attention, ...).
 from liftmods import (activation, attention, combinators, dtypes,
                       kw_only_dataclasses, linear, module, normalization,
-                      pooling, recurrent, stochastic, summary, transforms)
+                      pooling, recurrent, stochastic, summary, transforms,
+                      traverse_util)
 from liftmods.core.lift import broadcast
 from liftmods.transforms import (add_metadata_axis, checkpoint, cond,
                                  custom_vjp, fold_rngs, grad, jit, jvp,
@@ -75,3 +76,6 @@ from liftmods.spmd import (LogicallyPartitioned, get_logical_axis_rules,
                            logical_to_mesh_axes, logical_to_mesh_sharding,
                            set_logical_axis_rules, with_logical_constraint,
                            with_logical_partitioning)
+from liftmods.stack import (Stack, StackPolicy, stack_layers,
+                            unstack_layers)
+from jax.ad_checkpoint import checkpoint_name

@@ -390,3 +390,7 @@ class ShardingDivisibilityError(ShardingError):
         f'{spec[dim]!r} over {size} devices (spec {spec}), but '
         f'{shape[dim]} is not divisible by {size}. Change the size, or map '
         'that axis to a smaller (or no) mesh axis.')
+
+
+class StackError(LiftError):
+  """A layer stack (nn.Stack) is called in a way its block cannot take."""

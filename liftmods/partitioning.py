@@ -26,6 +26,9 @@ from typing import Any
 import jax
 
 from liftmods import errors, transforms
+from liftmods.core.frozen_dict import freeze, unfreeze
+from liftmods.core.lift import In as ScanIn, Out as ScanOut
+from liftmods.traverse_util import flatten_dict, unflatten_dict
 from liftmods.core import filters, frozen_dict, lift
 from liftmods.core import scope as core_scope
 from liftmods.module import _context
@@ -241,6 +244,15 @@ def vmap_with_axes(target, variable_axes, split_rngs={}, in_axes=0,  # pylint: d
                                       partitioning_axis_names[col],
                                       f'{col}_axes')
   return vmapped
+
+
+def core_remat_static(fn, variables=True, rngs=True, concrete=False,
+                      prevent_cse=True, static_argnums=(), policy=None):
+  """The core (scope-function) remat with ``static_argnums``, counted from
+  the first argument after the scope."""
+  return lift.checkpoint(fn, variables=variables, rngs=rngs,
+                         concrete=concrete, prevent_cse=prevent_cse,
+                         static_argnums=tuple(static_argnums), policy=policy)
 
 
 def remat(target, variables=True, rngs=True, concrete=False, prevent_cse=True,
