@@ -9,8 +9,11 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[test,bench,demo]'
 	touch $(STAMP)
 
-.PHONY: demo test bench clean
+.PHONY: demo demo-spirals test bench docs clean
 demo: $(STAMP)
+	$(VENV)/bin/python -m examples.lm
+
+demo-spirals: $(STAMP)
 	$(VENV)/bin/python -m examples.demo
 
 test: $(STAMP)
