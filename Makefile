@@ -2,12 +2,17 @@
 PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.docs-installed
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e '.[test,bench,demo]'
 	touch $(STAMP)
+
+$(DOCS_STAMP): $(STAMP)
+	$(VENV)/bin/pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
 
 .PHONY: demo demo-spirals test bench docs clean
 demo: $(STAMP)
@@ -19,8 +24,12 @@ demo-spirals: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -n 2 tests
 
+# The docs site (mkdocs-material + mkdocstrings) into site/; warnings fail.
+docs: $(DOCS_STAMP)
+	$(VENV)/bin/mkdocs build --strict --quiet
+
 bench: $(STAMP)
 	$(VENV)/bin/python -m benchmarks.trace_overhead
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) site
