@@ -11,6 +11,11 @@ step ``(state, batch) -> (state, loss)`` (forward, backward, optax update):
            to StableHLO, i.e. everything before XLA compiles.
   compile  ``lowered.compile()``: XLA compiling the (same) program.
   step     one call of the compiled step.
+  forward  ``jax.jit(loss).trace(...)`` of the forward pass alone (no
+           gradient, no optimizer): closer to the module system's own cost.
+
+``--attribute`` also profiles one step trace per implementation and prints
+the share of its time spent in liftmods / flax code versus JAX itself.
 
 Models:
   lm       the demo language model, ``examples/lm/model.py`` loaded twice with
@@ -41,11 +46,13 @@ import optax
 import liftmods as lnn
 
 MODELS = ('lm', 'resnet', 'seq2seq')
-MODES = ('trace', 'lower', 'compile', 'step')
+MODES = ('trace', 'lower', 'compile', 'step', 'forward')
 flags.DEFINE_list('model', list(MODELS), f'models, from {MODELS}')
 flags.DEFINE_list('mode', list(MODES), f'figures, from {MODES}')
 flags.DEFINE_integer('repeats', 7, 'timed repetitions (interleaved)')
 flags.DEFINE_integer('step_repeats', 20, 'timed repetitions for --mode=step')
+flags.DEFINE_bool('attribute', False, 'profile one step trace per '
+                  'implementation: time in module-system code vs JAX')
 F = flags.FLAGS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -81,7 +88,12 @@ def lm(nn):
   batch = jnp.asarray(rng.integers(0, 256, (cfg.batch_size, cfg.seq_len + 1)),
                       jnp.int32)
   step = train.make_train_step(model, optimizer, seed=0).__wrapped__
-  return step, state, batch
+
+  def forward(state, batch):
+    logits = model.apply({'params': state['params']}, batch[:, :-1])
+    return train.cross_entropy(logits, batch[:, 1:])
+
+  return step, state, batch, forward
 
 
 def resnet(nn, stages=(2, 2, 2), width=16, classes=10, batch_size=32):
@@ -124,23 +136,25 @@ def resnet(nn, stages=(2, 2, 2), width=16, classes=10, batch_size=32):
            'batch_stats': variables['batch_stats'],
            'opt_state': optimizer.init(variables['params'])}
 
-  def step(state, batch):
+  def loss_fn(params, batch_stats, batch):
     images, labels = batch
+    logits, updates = model.apply(
+        {'params': params, 'batch_stats': batch_stats}, images,
+        train=True, mutable=['batch_stats'])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return loss.mean(), updates['batch_stats']
 
-    def loss_fn(params):
-      logits, updates = model.apply(
-          {'params': params, 'batch_stats': state['batch_stats']}, images,
-          train=True, mutable=['batch_stats'])
-      loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-      return loss.mean(), updates['batch_stats']
+  def forward(state, batch):
+    return loss_fn(state['params'], state['batch_stats'], batch)[0]
 
+  def step(state, batch):
     (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        state['params'])
+        state['params'], state['batch_stats'], batch)
     updates, opt_state = optimizer.update(grads, state['opt_state'])
     return {'params': optax.apply_updates(state['params'], updates),
             'batch_stats': stats, 'opt_state': opt_state}, loss
 
-  return step, state, (images, labels)
+  return step, state, (images, labels), forward
 
 
 def seq2seq(nn, vocab=32, features=128, length=24, batch_size=32):
@@ -171,20 +185,22 @@ def seq2seq(nn, vocab=32, features=128, length=24, batch_size=32):
   optimizer = optax.adam(1e-3)
   state = {'params': params, 'opt_state': optimizer.init(params)}
 
-  def step(state, batch):
+  def loss_fn(params, batch):
     source, target_in, target = batch
+    logits = model.apply({'params': params}, source, target_in)
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, target).mean()
 
-    def loss_fn(params):
-      logits = model.apply({'params': params}, source, target_in)
-      return optax.softmax_cross_entropy_with_integer_labels(
-          logits, target).mean()
+  def forward(state, batch):
+    return loss_fn(state['params'], batch)
 
-    loss, grads = jax.value_and_grad(loss_fn)(state['params'])
+  def step(state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(state['params'], batch)
     updates, opt_state = optimizer.update(grads, state['opt_state'])
     return {'params': optax.apply_updates(state['params'], updates),
             'opt_state': opt_state}, loss
 
-  return step, state, (source, target_in, target)
+  return step, state, (source, target_in, target), forward
 
 
 BUILDERS = {'lm': lm, 'resnet': resnet, 'seq2seq': seq2seq}
@@ -194,7 +210,7 @@ BUILDERS = {'lm': lm, 'resnet': resnet, 'seq2seq': seq2seq}
 
 def check_same(name, built):
   """Same initial state bit for bit, and the same loss after one step."""
-  (step_a, state_a, batch), (step_b, state_b, _) = built.values()
+  (step_a, state_a, batch, _), (step_b, state_b, _, _) = built.values()
   leaves_a = jax.tree_util.tree_leaves_with_path(state_a)
   leaves_b = jax.tree_util.tree_leaves_with_path(state_b)
   assert [p for p, _ in leaves_a] == [p for p, _ in leaves_b], name
@@ -212,30 +228,59 @@ def fresh(step):
   return jax.jit(lambda state, batch: step(state, batch))
 
 
-def timed_call(mode, step, state, batch):
-  """A no-argument callable doing one ``mode`` measurement."""
+def timed_call(mode, step, state, batch, forward):
+  """``(prepare, call)``: ``call()`` is one ``mode`` measurement, after an
+  untimed ``prepare()`` (a fresh lowering for ``compile``, since a
+  ``Lowered`` keeps its compiled executable)."""
+  nothing = lambda: None
+  if mode == 'forward':
+    return nothing, lambda: fresh(forward).trace(state, batch)
   if mode == 'trace':
-    return lambda: fresh(step).trace(state, batch)
+    return nothing, lambda: fresh(step).trace(state, batch)
   if mode == 'lower':
-    return lambda: fresh(step).lower(state, batch)
-  lowered = fresh(step).lower(state, batch)
+    return nothing, lambda: fresh(step).lower(state, batch)
   if mode == 'compile':
-    return lowered.compile
-  compiled = lowered.compile()
-  return lambda: jax.block_until_ready(compiled(state, batch))
+    lowered = []
+    prepare = lambda: lowered.append(fresh(step).lower(state, batch))
+    return prepare, lambda: lowered.pop().compile()
+  compiled = fresh(step).lower(state, batch).compile()
+  return nothing, lambda: jax.block_until_ready(compiled(state, batch))
 
 
 def measure(mode, built, repeats):
   calls = {name: timed_call(mode, *args) for name, args in built.items()}
   times = {name: [] for name in calls}
-  for fn in calls.values():  # warm-up: caches, first-call costs
-    fn()
+  for prepare, call in calls.values():  # warm-up: caches, first-call costs
+    prepare()
+    call()
   for _ in range(repeats):  # interleaved, so load drifts hit both alike
-    for name, fn in calls.items():
+    for name, (prepare, call) in calls.items():
+      prepare()
       start = time.perf_counter()
-      fn()
+      call()
       times[name].append(time.perf_counter() - start)
   return {name: statistics.median(t) for name, t in times.items()}
+
+
+def attribute(model, built):
+  """Shares of one step trace's profile: module-system code vs JAX."""
+  import cProfile
+  import pstats
+  for name, (step, state, batch, _) in built.items():
+    fresh(step).trace(state, batch)
+    profile = cProfile.Profile()
+    profile.enable()
+    fresh(step).trace(state, batch)
+    profile.disable()
+    stats = pstats.Stats(profile)
+    shares = {}
+    for (path, _, _), (_, _, own, _, _) in stats.stats.items():
+      where = next((k for k in ('liftmods', 'flax', 'jax', 'optax')
+                    if f'/{k}/' in path), 'other')
+      shares[where] = shares.get(where, 0.0) + own
+    total = sum(shares.values())
+    print(f'  {model} step trace under cProfile, {name}: ' + ', '.join(
+        f'{k} {v / total:.1%}' for k, v in sorted(shares.items())))
 
 
 def fmt(seconds):
@@ -253,6 +298,8 @@ def main(_):
   for model in F.model:
     built = {name: BUILDERS[model](nn) for name, nn in IMPLS}
     check_same(model, built)
+    if F.attribute:
+      attribute(model, built)
     for mode in F.mode:
       repeats = F.step_repeats if mode == 'step' else F.repeats
       t = measure(mode, built, repeats)
