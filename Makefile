@@ -26,7 +26,7 @@ test: $(STAMP)
 
 # The docs site (mkdocs-material + mkdocstrings) into site/; warnings fail.
 docs: $(DOCS_STAMP)
-	$(VENV)/bin/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 bench: $(STAMP)
 	$(VENV)/bin/python -m benchmarks.trace_overhead

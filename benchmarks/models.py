@@ -220,8 +220,8 @@ def check_same(name, built):
   loss_b = jax.jit(step_b)(state_b, batch)[1]
   np.testing.assert_allclose(loss_a, loss_b, rtol=1e-5)
   n = sum(x.size for x in jax.tree_util.tree_leaves(state_a['params']))
-  print(f'{name}: {n:,} parameters; liftmods and flax.linen init bit-identical, '
-        f'first-step loss {float(loss_a):.4f} vs {float(loss_b):.4f}')
+  print(f'{name}: {n:,} parameters; liftmods and flax.linen init '
+        f'bit-identical, first-step loss {float(loss_a):.4f} vs {float(loss_b):.4f}')
 
 
 def fresh(step):

@@ -1,7 +1,7 @@
 """Train a byte-level Transformer LM on the Python standard library's source.
 
-  python -m examples.lm                 # default run, about 3 minutes on 2 CPU cores
-  python -m examples.lm --resume        # continue from the latest checkpoint
+  python -m examples.lm            # default run: about 3 minutes, 2 CPU cores
+  python -m examples.lm --resume   # continue from the latest checkpoint
   python -m examples.lm --steps=2000 --layers=6 --d_model=256
 """
 import argparse
