@@ -6,6 +6,7 @@
 """
 import argparse
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +57,7 @@ def parse(argv=None) -> TrainConfig:
 
 
 def main(argv=None):
+  began = time.perf_counter()
   cfg = parse(argv)
   model = TransformerLM(cfg.model)
   tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
@@ -73,6 +75,7 @@ def main(argv=None):
     print(f"loss curve: {result['plot']}")
   print(f'\nsample (prompt {cfg.prompt!r}, temperature {cfg.temperature}):\n')
   print(result['sample'])
+  print(f'\ntotal wall time {time.perf_counter() - began:.0f}s')
 
 
 if __name__ == '__main__':

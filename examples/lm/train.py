@@ -194,8 +194,9 @@ def restore(manager, state, history):
   return restored['state'], history
 
 
-def save(manager, step: int, state, history, force: bool = False):
-  manager.save(step, args=ocp.args.Composite(
+def save(manager, step: int, state, history, force: bool = False) -> bool:
+  """Saves if ``step`` is on the interval (or ``force``); True if saved."""
+  return manager.save(step, args=ocp.args.Composite(
       state=ocp.args.StandardSave(state),
       history=ocp.args.JsonSave(history)), force=force)
 
@@ -270,9 +271,9 @@ def train(cfg: TrainConfig, log=print) -> dict:
       held_loss = evaluate(eval_step, state['params'], held)
       history['eval'].append((step, held_loss))
       bar.write(f'step {step}: held-out loss {held_loss:.4f}')
-      if window_start is not None:
-        window_start = time.perf_counter()  # keep eval out of tokens/s
-    save(manager, step, state, history, force=step == stop)
+      window_start = time.perf_counter()  # keep evals out of tokens/s
+    if save(manager, step, state, history, force=step == stop):
+      window_start = time.perf_counter()  # and checkpoints
   bar.close()
   manager.wait_until_finished()
   train_time = time.perf_counter() - began
