@@ -28,10 +28,10 @@ from examples.lm.model import Config, TransformerLM
 class TrainConfig:
   """Training hyperparameters and run options (the command-line flags)."""
   model: Config = Config()
-  steps: int = 500
+  steps: int = 600
   batch_size: int = 32
   learning_rate: float = 3e-3
-  warmup_steps: int = 50
+  warmup_steps: int = 60
   weight_decay: float = 0.1
   clip_norm: float = 1.0
   seed: int = 0
