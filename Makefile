@@ -2,6 +2,7 @@
 PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.docs-installed
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -9,15 +10,26 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[test,bench,demo]'
 	touch $(STAMP)
 
-.PHONY: demo test bench clean
+$(DOCS_STAMP): $(STAMP)
+	$(VENV)/bin/pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+.PHONY: demo demo-spirals test bench docs clean
 demo: $(STAMP)
+	$(VENV)/bin/python -m examples.lm
+
+demo-spirals: $(STAMP)
 	$(VENV)/bin/python -m examples.demo
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -n 2 tests
 
+# The docs site (mkdocs-material + mkdocstrings) into site/; warnings fail.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
 bench: $(STAMP)
 	$(VENV)/bin/python -m benchmarks.trace_overhead
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) site

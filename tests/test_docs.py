@@ -1,4 +1,4 @@
-"""Runs every ```python block of docs/*.md and README.md.
+"""Runs every ```python block of docs/**/*.md and README.md.
 
 Each block is one test (id ``<file>:<n>``, ``n`` counting the file's python
 blocks from 1) and runs with ``exec`` in a fresh namespace, so a block must
@@ -20,7 +20,7 @@ _FENCE = re.compile(r'^(?P<indent>[ \t]*)```(?P<lang>[A-Za-z0-9_+-]*)[ \t]*$')
 
 
 def _doc_files():
-  files = sorted((ROOT / 'docs').glob('*.md'))
+  files = sorted((ROOT / 'docs').rglob('*.md'))
   readme = ROOT / 'README.md'
   if readme.exists():
     files.append(readme)
@@ -51,6 +51,14 @@ def extract_blocks(text: str):
   return blocks
 
 
+def _label(rel: pathlib.Path) -> str:
+  """``transforms.md``, ``api/core.md``, ``README.md``: the path under
+  docs/, or the file name."""
+  if rel.parts[0] == 'docs':
+    return rel.relative_to('docs').as_posix()
+  return rel.name
+
+
 def _collect():
   params = []
   for path in _doc_files():
@@ -63,7 +71,7 @@ def _collect():
         marks = (pytest.mark.skip(reason=f'{rel}:{n} is marked '
                                   f'"{SKIP_MARKER}"'),)
       params.append(pytest.param(str(rel), line, code, marks=marks,
-                                 id=f'{path.name}:{n}'))
+                                 id=f'{_label(rel)}:{n}'))
   return params
 
 
@@ -81,3 +89,18 @@ def test_doc_block(path, line, code):
   compiled = compile('\n' * (line - 1) + code, str(ROOT / path), 'exec')
   namespace = {'__name__': '__main__', '__file__': str(ROOT / path)}
   exec(compiled, namespace)  # pylint: disable=exec-used
+
+
+def test_api_reference_fences_doctest_examples():
+  pytest.importorskip('griffe')  # the docs extra
+  import sys
+  sys.path.insert(0, str(ROOT / 'tools'))
+  try:
+    from griffe_doctest_fences import fence_doctests
+  finally:
+    sys.path.pop(0)
+  text = ('Adds.\n\n>>> f(1)\n2\n>>> v["a"]["b"]\n\nMore.\n\n'
+          '```python\n>>> untouched\n```')
+  assert fence_doctests(text) == (
+      'Adds.\n\n```pycon\n>>> f(1)\n2\n>>> v["a"]["b"]\n```\n\nMore.\n\n'
+      '```python\n>>> untouched\n```')

@@ -1,0 +1,319 @@
+r"""Whole-model figures: liftmods vs flax.linen on three models, one process.
+
+Each model is written once against a Linen-style namespace ``nn`` and built
+twice, with ``liftmods`` and with ``flax.linen``; a start-up check confirms
+both give the same parameters bit for bit. The figure is for one training
+step ``(state, batch) -> (state, loss)`` (forward, backward, optax update):
+
+  trace    ``jax.jit(step).trace(...)`` of a fresh wrapper: the Python cost
+           of running the model code (module system + JAX tracing).
+  lower    ``jax.jit(step).lower(...)`` of a fresh wrapper: trace + lowering
+           to StableHLO, i.e. everything before XLA compiles.
+  compile  ``lowered.compile()``: XLA compiling the (same) program.
+  step     one call of the compiled step.
+  forward  ``jax.jit(loss).trace(...)`` of the forward pass alone (no
+           gradient, no optimizer): closer to the module system's own cost.
+
+``--attribute`` also profiles one step trace per implementation and prints
+the share of its time spent in liftmods / flax code versus JAX itself.
+
+Models:
+  lm       the demo language model, ``examples/lm/model.py`` loaded twice with
+           its ``import liftmods as nn`` line swapped for ``flax.linen`` — the
+           one-line change — and the demo's own train step;
+  resnet   a small ResNet with BatchNorm (running statistics updated in the
+           step) on 32x32 images;
+  seq2seq  an LSTM encoder-decoder (``nn.scan`` over ``OptimizedLSTMCell``)
+           learning to reverse sequences.
+
+  python -m benchmarks.models --model=lm,resnet,seq2seq \
+      --mode=trace,lower,compile,step --repeats=7
+"""
+import functools
+import pathlib
+import statistics
+import sys
+import time
+import types
+
+from absl import app, flags
+import flax.linen as fnn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import liftmods as lnn
+
+MODELS = ('lm', 'resnet', 'seq2seq')
+MODES = ('trace', 'lower', 'compile', 'step', 'forward')
+flags.DEFINE_list('model', list(MODELS), f'models, from {MODELS}')
+flags.DEFINE_list('mode', list(MODES), f'figures, from {MODES}')
+flags.DEFINE_integer('repeats', 7, 'timed repetitions (interleaved)')
+flags.DEFINE_integer('step_repeats', 20, 'timed repetitions for --mode=step')
+flags.DEFINE_bool('attribute', False, 'profile one step trace per '
+                  'implementation: time in module-system code vs JAX')
+F = flags.FLAGS
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+IMPLS = (('liftmods', lnn), ('flax.linen', fnn))
+
+
+# --- the models, each written once against `nn` -----------------------------
+
+def lm_model_module(nn_name: str) -> types.ModuleType:
+  """``examples/lm/model.py`` with its ``nn`` import pointed at ``nn_name``."""
+  path = ROOT / 'examples' / 'lm' / 'model.py'
+  line = 'import liftmods as nn\n'
+  source = path.read_text()
+  if source.count(line) != 1:
+    raise RuntimeError(f'{path} must contain the line {line!r} exactly once')
+  name = f'_lm_model_{nn_name.replace(".", "_")}'
+  module = types.ModuleType(name)
+  module.__file__ = str(path)
+  sys.modules[name] = module
+  exec(compile(source.replace(line, f'import {nn_name} as nn\n'), str(path),
+               'exec'), module.__dict__)  # pylint: disable=exec-used
+  return module
+
+
+def lm(nn):
+  from examples.lm import train
+  module = lm_model_module(nn.__name__)
+  cfg = train.TrainConfig(model=module.Config())
+  model = module.TransformerLM(cfg.model)
+  optimizer = train.make_optimizer(cfg)
+  state = train.init_state(model, optimizer, seed=0)
+  rng = np.random.default_rng(0)
+  batch = jnp.asarray(rng.integers(0, 256, (cfg.batch_size, cfg.seq_len + 1)),
+                      jnp.int32)
+  step = train.make_train_step(model, optimizer, seed=0).__wrapped__
+
+  def forward(state, batch):
+    logits = model.apply({'params': state['params']}, batch[:, :-1])
+    return train.cross_entropy(logits, batch[:, 1:])
+
+  return step, state, batch, forward
+
+
+def resnet(nn, stages=(2, 2, 2), width=16, classes=10, batch_size=32):
+
+  class ResBlock(nn.Module):
+    features: int
+    strides: int = 1
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+      norm = functools.partial(nn.BatchNorm, use_running_average=not train,
+                               momentum=0.9)
+      s = (self.strides, self.strides)
+      y = nn.Conv(self.features, (3, 3), s, use_bias=False)(x)
+      y = nn.relu(norm()(y))
+      y = nn.Conv(self.features, (3, 3), use_bias=False)(y)
+      y = norm(scale_init=nn.initializers.zeros)(y)
+      if x.shape != y.shape:
+        x = nn.Conv(self.features, (1, 1), s, use_bias=False, name='proj')(x)
+        x = norm(name='proj_norm')(x)
+      return nn.relu(x + y)
+
+  class ResNet(nn.Module):
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+      x = nn.Conv(width, (3, 3), use_bias=False)(x)
+      x = nn.relu(nn.BatchNorm(use_running_average=not train)(x))
+      for i, blocks in enumerate(stages):
+        for j in range(blocks):
+          x = ResBlock(width * 2**i, 2 if i and not j else 1)(x, train)
+      return nn.Dense(classes)(x.mean((1, 2)))
+
+  model = ResNet()
+  images = jax.random.normal(jax.random.key(1), (batch_size, 32, 32, 3))
+  labels = jax.random.randint(jax.random.key(2), (batch_size,), 0, classes)
+  variables = model.init(jax.random.key(0), images[:1])
+  optimizer = optax.sgd(0.1, momentum=0.9)
+  state = {'params': variables['params'],
+           'batch_stats': variables['batch_stats'],
+           'opt_state': optimizer.init(variables['params'])}
+
+  def loss_fn(params, batch_stats, batch):
+    images, labels = batch
+    logits, updates = model.apply(
+        {'params': params, 'batch_stats': batch_stats}, images,
+        train=True, mutable=['batch_stats'])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return loss.mean(), updates['batch_stats']
+
+  def forward(state, batch):
+    return loss_fn(state['params'], state['batch_stats'], batch)[0]
+
+  def step(state, batch):
+    (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state['params'], state['batch_stats'], batch)
+    updates, opt_state = optimizer.update(grads, state['opt_state'])
+    return {'params': optax.apply_updates(state['params'], updates),
+            'batch_stats': stats, 'opt_state': opt_state}, loss
+
+  return step, state, (images, labels), forward
+
+
+def seq2seq(nn, vocab=32, features=128, length=24, batch_size=32):
+
+  def rnn(name):
+    """A recurrent layer over axis 1: the one place to swap for ``nn.RNN``."""
+    return nn.scan(nn.OptimizedLSTMCell, variable_broadcast='params',
+                   split_rngs={'params': False}, in_axes=1, out_axes=1)(
+                       features, name=name)
+
+  class Seq2seq(nn.Module):
+
+    @nn.compact
+    def __call__(self, source, target_in):
+      embed = nn.Embed(vocab, features, name='embed')
+      zeros = jnp.zeros((source.shape[0], features))
+      carry, _ = rnn('encoder')((zeros, zeros), embed(source))
+      _, ys = rnn('decoder')(carry, embed(target_in))
+      return nn.Dense(vocab, name='out')(ys)
+
+  model = Seq2seq()
+  source = jax.random.randint(jax.random.key(1), (batch_size, length), 2,
+                              vocab)
+  target = jnp.flip(source, 1)
+  target_in = jnp.concatenate([jnp.ones_like(target[:, :1]), target[:, :-1]],
+                              1)  # 1 = start-of-sequence
+  params = model.init(jax.random.key(0), source, target_in)['params']
+  optimizer = optax.adam(1e-3)
+  state = {'params': params, 'opt_state': optimizer.init(params)}
+
+  def loss_fn(params, batch):
+    source, target_in, target = batch
+    logits = model.apply({'params': params}, source, target_in)
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, target).mean()
+
+  def forward(state, batch):
+    return loss_fn(state['params'], batch)
+
+  def step(state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(state['params'], batch)
+    updates, opt_state = optimizer.update(grads, state['opt_state'])
+    return {'params': optax.apply_updates(state['params'], updates),
+            'opt_state': opt_state}, loss
+
+  return step, state, (source, target_in, target), forward
+
+
+BUILDERS = {'lm': lm, 'resnet': resnet, 'seq2seq': seq2seq}
+
+
+# --- measuring ---------------------------------------------------------------
+
+def check_same(name, built):
+  """Same initial state bit for bit, and the same loss after one step."""
+  (step_a, state_a, batch, _), (step_b, state_b, _, _) = built.values()
+  leaves_a = jax.tree_util.tree_leaves_with_path(state_a)
+  leaves_b = jax.tree_util.tree_leaves_with_path(state_b)
+  assert [p for p, _ in leaves_a] == [p for p, _ in leaves_b], name
+  for (path, a), (_, b) in zip(leaves_a, leaves_b):
+    np.testing.assert_array_equal(a, b, err_msg=f'{name}{path}')
+  loss_a = jax.jit(step_a)(state_a, batch)[1]
+  loss_b = jax.jit(step_b)(state_b, batch)[1]
+  np.testing.assert_allclose(loss_a, loss_b, rtol=1e-5)
+  n = sum(x.size for x in jax.tree_util.tree_leaves(state_a['params']))
+  print(f'{name}: {n:,} parameters; liftmods and flax.linen init '
+        f'bit-identical, first-step loss {float(loss_a):.4f} vs {float(loss_b):.4f}')
+
+
+def fresh(step):
+  return jax.jit(lambda state, batch: step(state, batch))
+
+
+def timed_call(mode, step, state, batch, forward):
+  """``(prepare, call)``: ``call()`` is one ``mode`` measurement, after an
+  untimed ``prepare()`` (a fresh lowering for ``compile``, since a
+  ``Lowered`` keeps its compiled executable)."""
+  nothing = lambda: None
+  if mode == 'forward':
+    return nothing, lambda: fresh(forward).trace(state, batch)
+  if mode == 'trace':
+    return nothing, lambda: fresh(step).trace(state, batch)
+  if mode == 'lower':
+    return nothing, lambda: fresh(step).lower(state, batch)
+  if mode == 'compile':
+    lowered = []
+    prepare = lambda: lowered.append(fresh(step).lower(state, batch))
+    return prepare, lambda: lowered.pop().compile()
+  compiled = fresh(step).lower(state, batch).compile()
+  return nothing, lambda: jax.block_until_ready(compiled(state, batch))
+
+
+def measure(mode, built, repeats):
+  calls = {name: timed_call(mode, *args) for name, args in built.items()}
+  times = {name: [] for name in calls}
+  for prepare, call in calls.values():  # warm-up: caches, first-call costs
+    prepare()
+    call()
+  for _ in range(repeats):  # interleaved, so load drifts hit both alike
+    for name, (prepare, call) in calls.items():
+      prepare()
+      start = time.perf_counter()
+      call()
+      times[name].append(time.perf_counter() - start)
+  return {name: statistics.median(t) for name, t in times.items()}
+
+
+def attribute(model, built):
+  """Shares of one step trace's profile: module-system code vs JAX."""
+  import cProfile
+  import pstats
+  for name, (step, state, batch, _) in built.items():
+    fresh(step).trace(state, batch)
+    profile = cProfile.Profile()
+    profile.enable()
+    fresh(step).trace(state, batch)
+    profile.disable()
+    stats = pstats.Stats(profile)
+    shares = {}
+    for (path, _, _), (_, _, own, _, _) in stats.stats.items():
+      where = next((k for k in ('liftmods', 'flax', 'jax', 'optax')
+                    if f'/{k}/' in path), 'other')
+      shares[where] = shares.get(where, 0.0) + own
+    total = sum(shares.values())
+    print(f'  {model} step trace under cProfile, {name}: ' + ', '.join(
+        f'{k} {v / total:.1%}' for k, v in sorted(shares.items())))
+
+
+def fmt(seconds):
+  return (f'{seconds * 1e3:.2f} ms' if seconds < 1 else f'{seconds:.2f} s')
+
+
+def main(_):
+  for m in F.model:
+    if m not in MODELS:
+      raise app.UsageError(f'--model={m}: expected one of {MODELS}')
+  for m in F.mode:
+    if m not in MODES:
+      raise app.UsageError(f'--mode={m}: expected one of {MODES}')
+  rows = []
+  for model in F.model:
+    built = {name: BUILDERS[model](nn) for name, nn in IMPLS}
+    check_same(model, built)
+    if F.attribute:
+      attribute(model, built)
+    for mode in F.mode:
+      repeats = F.step_repeats if mode == 'step' else F.repeats
+      t = measure(mode, built, repeats)
+      ratio = t['liftmods'] / t['flax.linen']
+      rows.append((model, mode, t['liftmods'], t['flax.linen'], ratio))
+      print(f'  {model:<8} {mode:<8} liftmods {fmt(t["liftmods"]):>10}  '
+            f'flax.linen {fmt(t["flax.linen"]):>10}  ratio {ratio:.2f}',
+            flush=True)
+  print(f'\nmedians of {F.repeats} (step: {F.step_repeats}), interleaved\n')
+  print('| model | figure | liftmods | flax.linen | liftmods / linen |')
+  print('|---|---|---|---|---|')
+  for model, mode, a, b, r in rows:
+    print(f'| {model} | {mode} | {fmt(a)} | {fmt(b)} | **{r:.2f}** |')
+
+
+if __name__ == '__main__':
+  app.run(main)

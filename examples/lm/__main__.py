@@ -1,0 +1,82 @@
+"""Train a byte-level Transformer LM on the Python standard library's source.
+
+  python -m examples.lm            # default run: about 3 minutes, 2 CPU cores
+  python -m examples.lm --resume   # continue from the latest checkpoint
+  python -m examples.lm --steps=2000 --layers=6 --d_model=256
+"""
+import argparse
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+
+from examples.lm.model import Config, TransformerLM
+from examples.lm.train import TrainConfig, train
+
+
+def parse(argv=None) -> TrainConfig:
+  defaults, model = TrainConfig(), Config()
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  add = p.add_argument
+  add('--steps', type=int, default=defaults.steps)
+  add('--batch_size', type=int, default=defaults.batch_size)
+  add('--seq_len', type=int, default=model.max_len)
+  add('--layers', type=int, default=model.num_layers)
+  add('--heads', type=int, default=model.num_heads)
+  add('--d_model', type=int, default=model.d_model)
+  add('--dropout', type=float, default=model.dropout_rate)
+  add('--learning_rate', type=float, default=defaults.learning_rate)
+  add('--warmup_steps', type=int, default=defaults.warmup_steps)
+  add('--weight_decay', type=float, default=defaults.weight_decay)
+  add('--clip_norm', type=float, default=defaults.clip_norm)
+  add('--seed', type=int, default=defaults.seed)
+  add('--eval_every', type=int, default=defaults.eval_every)
+  add('--checkpoint_every', type=int, default=defaults.checkpoint_every)
+  add('--workdir', default=defaults.workdir,
+      help='checkpoints, loss plot and summary go here')
+  add('--resume', action='store_true',
+      help='continue from the latest checkpoint in --workdir')
+  add('--stop_at', type=int, default=None,
+      help='stop (and checkpoint) at this step; --resume continues')
+  add('--prompt', default=defaults.prompt)
+  add('--sample_length', type=int, default=defaults.sample_length)
+  add('--temperature', type=float, default=defaults.temperature)
+  add('--no_progress', action='store_true', help='no progress bar')
+  a = p.parse_args(argv)
+  model = Config(max_len=a.seq_len, num_layers=a.layers, num_heads=a.heads,
+                 d_model=a.d_model, dropout_rate=a.dropout)
+  return dataclasses.replace(
+      defaults, model=model, steps=a.steps, batch_size=a.batch_size,
+      learning_rate=a.learning_rate, warmup_steps=a.warmup_steps,
+      weight_decay=a.weight_decay, clip_norm=a.clip_norm, seed=a.seed,
+      eval_every=a.eval_every, checkpoint_every=a.checkpoint_every,
+      workdir=a.workdir, resume=a.resume, stop_at=a.stop_at,
+      prompt=a.prompt, sample_length=a.sample_length, temperature=a.temperature,
+      progress=not a.no_progress)
+
+
+def main(argv=None):
+  began = time.perf_counter()
+  cfg = parse(argv)
+  model = TransformerLM(cfg.model)
+  tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
+  print(model.tabulate(jax.random.key(0), tokens, depth=1,
+                       console_kwargs={'width': 110}))
+  result = train(cfg)
+  history = result['history']
+  step = int(result['state']['step'])
+  print(f"\nstep {step}: {result['train_time_s']:.1f}s in the training loop, "
+        f"{result['tokens_per_s']:,.0f} tokens/s")
+  if history['train'] and history['eval']:
+    print(f"final train loss {history['train'][-1][1]:.4f}, held-out loss "
+          f"{history['eval'][-1][1]:.4f} (nats/byte)")
+  if 'plot' in result:
+    print(f"loss curve: {result['plot']}")
+  print(f'\nsample (prompt {cfg.prompt!r}, temperature {cfg.temperature}):\n')
+  print(result['sample'])
+  print(f'\ntotal wall time {time.perf_counter() - began:.0f}s')
+
+
+if __name__ == '__main__':
+  main()

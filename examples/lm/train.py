@@ -1,0 +1,299 @@
+"""Training loop for the byte-level Transformer LM: optax, orbax, tqdm.
+
+Everything a step depends on is a function of the saved state: the batch
+for step ``i`` comes from ``numpy.random.default_rng([seed, i])`` and the
+dropout key is ``fold_in(key(seed), i)``, so resuming from a checkpoint
+continues exactly as if training had never stopped.
+"""
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+import shutil
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from tqdm.auto import tqdm
+
+from examples.lm import data
+from examples.lm.model import Config, TransformerLM
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Training hyperparameters and run options (the command-line flags)."""
+  model: Config = Config()
+  steps: int = 600
+  batch_size: int = 32
+  learning_rate: float = 3e-3
+  warmup_steps: int = 60
+  weight_decay: float = 0.1
+  clip_norm: float = 1.0
+  seed: int = 0
+  eval_every: int = 100
+  eval_batches: int = 8
+  checkpoint_every: int = 200
+  workdir: str = 'runs/lm'
+  resume: bool = False
+  stop_at: int | None = None  # stop (checkpointed) before ``steps``, to resume
+  max_bytes: int | None = None
+  sample_length: int = 128
+  prompt: str = 'def '
+  temperature: float = 0.7
+  plot: str | None = 'loss.png'
+  progress: bool = True
+
+  @property
+  def seq_len(self) -> int:
+    return self.model.max_len
+
+
+# --- optimizer and steps ---------------------------------------------------
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+  """AdamW with linear warmup, cosine decay and global-norm clipping.
+
+  Weight decay applies to kernels and embeddings only (not to biases,
+  norm scales or position tables)."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, cfg.learning_rate, cfg.warmup_steps,
+      max(cfg.steps, cfg.warmup_steps + 1),
+      end_value=cfg.learning_rate * 0.1)
+
+  def decay_mask(params):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: path[-1].key in ('kernel', 'embedding'), params)
+
+  return optax.chain(
+      optax.clip_by_global_norm(cfg.clip_norm),
+      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay,
+                  mask=decay_mask))
+
+
+def cross_entropy(logits, targets):
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), targets).mean()
+
+
+def init_state(model: TransformerLM, optimizer, seed: int) -> dict:
+  """``{'step', 'params', 'opt_state'}`` for a fresh run."""
+  tokens = jnp.zeros((1, model.config.max_len), jnp.int32)
+  params = jax.jit(model.init)(jax.random.key(seed), tokens)['params']
+  return {'step': jnp.array(0, jnp.int32), 'params': params,
+          'opt_state': optimizer.init(params)}
+
+
+def make_train_step(model: TransformerLM, optimizer, seed: int, *,
+                    state_shardings=None, batch_sharding=None):
+  """The jitted ``(state, batch) -> (state, loss)`` update.
+
+  ``state_shardings`` / ``batch_sharding`` (pytrees of
+  ``jax.sharding.Sharding`` or None) are handed to ``jax.jit``, so the same
+  step runs sharded across devices when they are given.
+  """
+  dropout_key = jax.random.key(seed + 1)
+
+  def loss_fn(params, batch, key):
+    logits = model.apply({'params': params}, batch[:, :-1], train=True,
+                         rngs={'dropout': key})
+    return cross_entropy(logits, batch[:, 1:])
+
+  def step(state, batch):
+    key = jax.random.fold_in(dropout_key, state['step'])
+    loss, grads = jax.value_and_grad(loss_fn)(state['params'], batch, key)
+    updates, opt_state = optimizer.update(grads, state['opt_state'],
+                                          state['params'])
+    params = optax.apply_updates(state['params'], updates)
+    return {'step': state['step'] + 1, 'params': params,
+            'opt_state': opt_state}, loss
+
+  shardings = {}
+  if state_shardings is not None or batch_sharding is not None:
+    shardings = dict(in_shardings=(state_shardings, batch_sharding),
+                     out_shardings=(state_shardings, None))
+  return jax.jit(step, donate_argnums=0, **shardings)
+
+
+def make_eval_step(model: TransformerLM):
+  @jax.jit
+  def eval_step(params, batch):
+    logits = model.apply({'params': params}, batch[:, :-1])
+    return cross_entropy(logits, batch[:, 1:])
+  return eval_step
+
+
+def evaluate(eval_step, params, batches) -> float:
+  return float(np.mean([eval_step(params, b) for b in batches]))
+
+
+# --- sampling with the attention cache --------------------------------------
+
+def generate(model: TransformerLM, params, prompt: np.ndarray, length: int,
+             key, temperature: float = 1.0) -> np.ndarray:
+  """``length`` tokens starting with ``prompt``, one position per call.
+
+  The model runs with ``decode=True``: each call feeds one token and reads
+  and updates the key/value caches in the ``'cache'`` collection.
+  """
+  length = min(length, model.config.max_len)
+  if not 0 < len(prompt) < length:
+    raise ValueError(f'prompt of {len(prompt)} tokens must be non-empty and '
+                     f'shorter than the sample length {length}')
+  decoder = model.clone(decode=True)
+  shapes = jax.eval_shape(decoder.init, jax.random.key(0),
+                          jnp.zeros((1, model.config.max_len), jnp.int32))
+  cache = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                 shapes['cache'])
+  buf = jnp.zeros((length,), jnp.int32).at[:len(prompt)].set(prompt)
+  return np.asarray(_sample(decoder, params, cache, buf, len(prompt), key,
+                            temperature))
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _sample(decoder, params, cache, buf, prompt_len, key, temperature):
+  def body(carry, t):
+    buf, cache = carry
+    logits, updated = decoder.apply({'params': params, 'cache': cache},
+                                    buf[t][None, None], mutable=['cache'])
+    logits = logits[0, -1] / jnp.maximum(temperature, 1e-6)
+    sampled = jax.random.categorical(jax.random.fold_in(key, t), logits)
+    nxt = jnp.where(t + 1 < prompt_len, buf[t + 1], sampled)
+    return (buf.at[t + 1].set(nxt), updated['cache']), None
+
+  (buf, _), _ = jax.lax.scan(body, (buf, cache), jnp.arange(buf.shape[0] - 1))
+  return buf
+
+
+# --- checkpoints -----------------------------------------------------------
+
+def checkpoint_manager(cfg: TrainConfig) -> ocp.CheckpointManager:
+  directory = pathlib.Path(cfg.workdir).resolve() / 'checkpoints'
+  if not cfg.resume and directory.exists():
+    shutil.rmtree(directory)  # a fresh run starts from step 0
+  options = ocp.CheckpointManagerOptions(
+      max_to_keep=2, save_interval_steps=cfg.checkpoint_every,
+      enable_async_checkpointing=False)
+  return ocp.CheckpointManager(directory, options=options)
+
+
+def restore(manager, state, history):
+  """The latest checkpoint's ``(state, history)``, or the given ones."""
+  step = manager.latest_step()
+  if step is None:
+    return state, history
+  abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, state)
+  restored = manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract),
+      history=ocp.args.JsonRestore()))
+  history = {k: [tuple(p) for p in v] for k, v in restored['history'].items()}
+  return restored['state'], history
+
+
+def save(manager, step: int, state, history, force: bool = False) -> bool:
+  """Saves if ``step`` is on the interval (or ``force``); True if saved."""
+  return manager.save(step, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state),
+      history=ocp.args.JsonSave(history)), force=force)
+
+
+# --- the loop --------------------------------------------------------------
+
+def plot_losses(history: dict, path: pathlib.Path, title: str):
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+  ax.plot(*zip(*history['train']), label='train', lw=1.2)
+  if history['eval']:
+    ax.plot(*zip(*history['eval']), 'o-', label='held-out', lw=1.5, ms=4)
+  ax.set_xlabel('step')
+  ax.set_ylabel('loss (nats / byte)')
+  ax.set_title(title, fontsize=10)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path)
+  plt.close(fig)
+
+
+def train(cfg: TrainConfig, log=print) -> dict:
+  """Trains (or resumes) per ``cfg``; returns the final state, the loss
+  history, timings and a sample."""
+  model = TransformerLM(cfg.model)
+  optimizer = make_optimizer(cfg)
+  train_data, held_data = data.load(max_bytes=cfg.max_bytes)
+  log(f'data: {len(train_data):,} training bytes, {len(held_data):,} held-out '
+      f'bytes from {len(data.stdlib_files())} standard-library files')
+  state = init_state(model, optimizer, cfg.seed)
+  history = {'train': [], 'eval': []}
+  manager = checkpoint_manager(cfg)
+  if cfg.resume:
+    state, history = restore(manager, state, history)
+  start = int(state['step'])
+  if start:
+    log(f'resumed from step {start}')
+
+  train_step = make_train_step(model, optimizer, cfg.seed)
+  eval_step = make_eval_step(model)
+  held = data.eval_batches(held_data, cfg.eval_batches, cfg.batch_size,
+                           cfg.seq_len)
+  tokens_per_step = cfg.batch_size * cfg.seq_len
+  window, window_start, timed = [], None, (0, 0.0)
+  began = time.perf_counter()
+  stop = cfg.steps if cfg.stop_at is None else min(cfg.stop_at, cfg.steps)
+  bar = tqdm(range(start, stop), initial=start, total=cfg.steps,
+             disable=not cfg.progress, dynamic_ncols=True, desc='train')
+  for i in bar:
+    rng = np.random.default_rng([cfg.seed, i])
+    batch = data.batch(train_data, rng, cfg.batch_size, cfg.seq_len)
+    state, loss = train_step(state, batch)
+    window.append(loss)
+    step = i + 1
+    if window_start is None:  # the first step compiles; time from here
+      jax.block_until_ready(loss)
+      window_start, window = time.perf_counter(), []
+      history['train'].append((step, float(loss)))
+    elif step % 10 == 0 or step == stop:
+      mean = float(np.mean(jax.device_get(window)))
+      elapsed = time.perf_counter() - window_start
+      timed = (timed[0] + len(window), timed[1] + elapsed)
+      history['train'].append((step, mean))
+      bar.set_postfix(loss=f'{mean:.3f}',
+                      tok_s=f'{len(window) * tokens_per_step / elapsed:,.0f}')
+      window, window_start = [], time.perf_counter()
+    if step % cfg.eval_every == 0 or step == stop:
+      held_loss = evaluate(eval_step, state['params'], held)
+      history['eval'].append((step, held_loss))
+      bar.write(f'step {step}: held-out loss {held_loss:.4f}')
+      window_start = time.perf_counter()  # keep evals out of tokens/s
+    if save(manager, step, state, history, force=step == stop):
+      window_start = time.perf_counter()  # and checkpoints
+  bar.close()
+  manager.wait_until_finished()
+  train_time = time.perf_counter() - began
+  tokens_per_s = timed[0] * tokens_per_step / timed[1] if timed[1] else math.nan
+
+  sample = ''
+  if cfg.sample_length:
+    tokens = generate(model, state['params'], data.encode(cfg.prompt),
+                      cfg.sample_length, jax.random.key(cfg.seed + 2),
+                      cfg.temperature)
+    sample = data.decode(tokens)
+  result = {'state': state, 'history': history, 'tokens_per_s': tokens_per_s,
+            'train_time_s': train_time, 'sample': sample}
+  if cfg.plot and history['train']:
+    path = pathlib.Path(cfg.workdir) / cfg.plot
+    final = history['eval'][-1][1] if history['eval'] else math.nan
+    plot_losses(history, path, f'byte-level LM on the Python stdlib: '
+                f'{stop} steps, held-out {final:.3f}')
+    result['plot'] = str(path)
+  (pathlib.Path(cfg.workdir) / 'summary.json').write_text(json.dumps(
+      {k: result[k] for k in ('tokens_per_s', 'train_time_s', 'sample')}
+      | {'history': history}, indent=1))
+  return result
