@@ -1397,15 +1397,17 @@ def jit(fn: Callable[..., Any], variables=True, rngs=True,
             *args, **kwargs):
     packing = scope_fn.__self__
     scopes = packing.scopes
+    # Not the scopes' paths: the traced computation sees only the variable
+    # groups and bare keys, so identical modules at different paths share
+    # one compiled function (as in Linen).
     if len(scopes) == 1:
       s = scopes[0]
       before = (_counter_state(s.rng_counters),)
-      where = ((s.path, _hashable_filter(s.mutable),
-                _hashable_flags(s.flags)),)
+      where = ((_hashable_filter(s.mutable), _hashable_flags(s.flags)),)
     else:
       before = tuple(_counter_state(s.rng_counters) for s in scopes)
-      where = tuple((s.path, _hashable_filter(s.mutable),
-                     _hashable_flags(s.flags)) for s in scopes)
+      where = tuple((_hashable_filter(s.mutable), _hashable_flags(s.flags))
+                    for s in scopes)
     fingerprint = (hash_key, where, packing.links, packing.treedef,
                    tuple(_without_zero_children(b) for b in before))
     entry = cache.get(fingerprint)
