@@ -78,9 +78,20 @@ def _bound(x) -> bool:
   return isinstance(x, (Module, Variable)) and isinstance(x.scope, Scope)
 
 
+_SCALARS = frozenset((str, int, float, bool))
+_PLAIN_ARG_TYPES = set()  # types seen as call arguments that hold no module
+
+
 def _needs_walk(args, kwargs) -> bool:
+  if not kwargs and all(type(a) in _PLAIN_ARG_TYPES for a in args):
+    return False
   leaves = jax.tree_util.tree_leaves((args, kwargs), is_leaf=_bound)
-  return any(_bound(x) for x in leaves)
+  if any(_bound(x) for x in leaves):
+    return True
+  for a in args:
+    if isinstance(a, jax.Array):
+      _PLAIN_ARG_TYPES.add(type(a))
+  return False
 
 
 def get_module_scopes(module: Module, args=(), kwargs=None):
@@ -117,6 +128,8 @@ def get_module_scopes(module: Module, args=(), kwargs=None):
     seen[m._id] = m
     m._try_setup(shallow=True)
     for v in _field_attrs(m).values():
+      if v is None or type(v) in _SCALARS:
+        continue
       for leaf in jax.tree_util.tree_leaves(v, is_leaf=_bound):
         if isinstance(leaf, Module) and isinstance(leaf.scope, Scope):
           module_scopes(leaf)

@@ -225,6 +225,13 @@ class _Packing:
       self.scopes = (scope_tree,)
       self.treedef = None
       self.links = ((0, ()),)
+    elif (type(scope_tree) is list and len(scope_tree) == 1  # pylint: disable=unidiomatic-typecheck
+          and isinstance(scope_tree[0], Scope)):
+      # A module's own scope, as lifted transforms pass it: no walk needed.
+      scope_tree[0]._check_valid()
+      self.scopes = (scope_tree[0],)
+      self.treedef = _ONE_SCOPE_LIST
+      self.links = ((0, ()),)
     else:
       leaves, self.treedef = jax.tree_util.tree_flatten(
           scope_tree, is_leaf=lambda x: isinstance(x, Scope))
@@ -245,6 +252,8 @@ class _Packing:
                  for i in range(len(filters)))
 
   def rng_groups(self, filters):
+    if len(self.scopes) == 1 and not self.scopes[0].rngs:
+      return tuple(({},) for _ in filters)
     per_scope = []
     for s in self.scopes:
       if s.rngs:
@@ -339,6 +348,9 @@ class _Packing:
           target = scope._mutable_collection(col)  # pylint: disable=protected-access
           for name, value in collection.items():
             _merge_into(target, name, value)
+
+
+_ONE_SCOPE_LIST = jax.tree_util.tree_structure([0])
 
 
 def _dedup(leaves):

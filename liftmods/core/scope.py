@@ -475,10 +475,12 @@ def _validate_variables(variables):
   if not isinstance(variables, Mapping):
     raise errors.ApplyScopeInvalidVariablesTypeError(variables)
   for col, value in variables.items():
-    if not isinstance(col, str) or not isinstance(value, Mapping):
-      raise errors.ApplyScopeInvalidVariablesTypeError(variables)
+    if type(col) is not str or (type(value) is not dict  # pylint: disable=unidiomatic-typecheck
+                                and not isinstance(value, Mapping)):
+      if not isinstance(col, str) or not isinstance(value, Mapping):
+        raise errors.ApplyScopeInvalidVariablesTypeError(variables)
   params = variables.get('params')
-  if isinstance(params, Mapping) and 'params' in params:
+  if params is not None and 'params' in params:  # a Mapping: checked above
     raise errors.ApplyScopeInvalidVariablesStructureError(variables)
 
 
@@ -500,9 +502,12 @@ def _copy_mutable(variables: Mapping, mutable) -> dict:
 def bind(variables: Mapping, rngs=None, mutable=False,
          flags: Mapping | None = None) -> Scope:
   """A root Scope over ``variables`` for interactive use."""
+  return _bind(variables, _normalize_rngs(rngs, 'bind'), mutable, flags)
+
+
+def _bind(variables, lazy_rngs, mutable, flags):
   _validate_variables(variables)
-  return Scope(_copy_mutable(variables, mutable),
-               rngs=_normalize_rngs(rngs, 'bind'),
+  return Scope(_copy_mutable(variables, mutable), rngs=lazy_rngs,
                mutable=mutable, flags=flags)
 
 
@@ -523,7 +528,7 @@ def apply(fn: Callable, mutable=False, flags: Mapping | None = None):
 def run(fn: Callable, variables, args, kwargs, rngs=None, mutable=False,
         flags: Mapping | None = None):
   """One ``apply`` call without building a wrapper: ``fn(root, *args)``."""
-  root = bind(variables, _normalize_rngs(rngs), mutable, flags)
+  root = _bind(variables, _normalize_rngs(rngs), mutable, flags)
   try:
     out = fn(root, *args, **kwargs)
   finally:
