@@ -1414,14 +1414,16 @@ def jit(fn: Callable[..., Any], variables=True, rngs=True,
     # one compiled function (as in Linen).
     if len(scopes) == 1:
       s = scopes[0]
-      before = (_counter_state(s.rng_counters),)
+      state = _counter_state(s.rng_counters) if s.rng_counters else ()
+      before = (state,)
       where = ((_hashable_filter(s.mutable), _hashable_flags(s.flags)),)
+      counters = (_without_zero_children(state) if state else (),)
     else:
       before = tuple(_counter_state(s.rng_counters) for s in scopes)
       where = tuple((_hashable_filter(s.mutable), _hashable_flags(s.flags))
                     for s in scopes)
-    fingerprint = (hash_key, where, packing.links, packing.treedef,
-                   tuple(_without_zero_children(b) for b in before))
+      counters = tuple(_without_zero_children(b) for b in before)
+    fingerprint = (hash_key, where, packing.links, packing.treedef, counters)
     entry = cache.get(fingerprint)
     if entry is None:
       if len(cache) >= _JIT_CACHE_LIMIT:
