@@ -4,12 +4,16 @@ one exists), in one process.
 1. Scanned residual-MLP stack (LayerNorm -> Dense(4H) -> gelu -> Dense(H)):
    apply/init trace time at two depths (flat in depth?).
 2. Lifted jit dispatch: ``nn.jit(Net)().apply`` eager call vs ``jax.jit`` of
-   the same apply.
+   the same apply, for the scanned stack and for an MLP of ``mlp_layers``
+   Dense(``mlp_width``) layers at batch ``mlp_batch``; and nn.jit trace
+   counts for identical jitted blocks (one configuration, several paths),
+   next to Linen's.
 3. Gradient temp memory (XLA memory_analysis of a jitted grad) for a plain
    scan, ``remat_scan(lengths=(8, 8))`` and a scan of per-layer remat.
 4. Compiled step time of the scanned apply.
 
   python -m benchmarks.lifted_transforms --depth=24 --deep=96 --hidden=256
+  python -m benchmarks.lifted_transforms --sections=dispatch,mlp,blocks
 """
 from absl import app, flags
 import flax.linen as fnn
@@ -27,6 +31,15 @@ flags.DEFINE_integer('repeats', 7, 'timed repetitions per figure')
 flags.DEFINE_integer('dispatch_hidden', 16,
                      'width for the eager-call figure (small, so that the '
                      'call measures dispatch rather than compute)')
+flags.DEFINE_integer('mlp_layers', 4, 'Dense layers of the eager-call MLP')
+flags.DEFINE_integer('mlp_width', 64, 'width of the eager-call MLP')
+flags.DEFINE_integer('mlp_batch', 8, 'batch of the eager-call MLP')
+flags.DEFINE_integer('dispatch_calls', 300, 'timed calls per eager figure')
+flags.DEFINE_integer('dispatch_rounds', 5,
+                     'alternating rounds per eager figure (median ratio over '
+                     'rounds, so that load shared by both sides cancels)')
+flags.DEFINE_list('sections', 'trace,dispatch,mlp,blocks,memory,step',
+                  'figures to run (comma-separated)')
 flags.DEFINE_integer('mem_depth', 64, 'depth for the memory figures')
 flags.DEFINE_integer('mem_hidden', 64, 'width for the memory figures')
 flags.DEFINE_integer('mem_batch', 2048, 'batch for the memory figures')
@@ -140,6 +153,98 @@ def dispatch_figures(key):
   return rows
 
 
+def build_mlp(nn, layers: int, width: int):
+
+  class MLP(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      for _ in range(layers):
+        x = nn.Dense(width)(x)
+      return x
+
+  return MLP
+
+
+def mlp_dispatch_figures(key):
+  """Eager ``nn.jit(MLP)().apply`` vs ``jax.jit(MLP().apply)``, timed in
+  alternating rounds; the ratio reported is the median over rounds."""
+  x = jnp.ones((F.mlp_batch, F.mlp_width))
+  rows, ratios = [], {}
+  for name, nn in (('liftmods', lnn), ('flax.linen', fnn)):
+    mlp = build_mlp(nn, F.mlp_layers, F.mlp_width)
+    v = mlp().init(key, x)
+    plain = jax.jit(mlp().apply)
+    lifted = nn.jit(mlp)()
+    per_round = []
+    for _ in range(F.dispatch_rounds):
+      a = common.time_calls(lambda: plain(v, x), F.dispatch_calls, warmup=3)
+      b = common.time_calls(lambda: lifted.apply(v, x), F.dispatch_calls,
+                            warmup=3)
+      per_round.append((a, b))
+    ratios[name] = sorted(b['median'] / a['median'] for a, b in per_round)
+    mid = per_round[len(per_round) // 2]
+    rows.append((f'{name} jax.jit(apply)', mid[0]))
+    rows.append((f'{name} nn.jit(MLP)', mid[1]))
+  common.print_table(
+      f'eager call ({F.mlp_layers}xDense({F.mlp_width}), batch '
+      f'{F.mlp_batch})', rows, 'liftmods jax.jit(apply)')
+  for name, rs in ratios.items():
+    print(f'  {name}: nn.jit / jax.jit = {rs[len(rs) // 2]:.2f}x (median of '
+          f'{len(rs)} rounds; range {rs[0]:.2f}-{rs[-1]:.2f}x)')
+  return rows, ratios
+
+
+def identical_block_traces(key):
+  """Traces of a jitted block used four times with one configuration, in
+  a plain model and in a scan body."""
+  x = jnp.ones((2, 8))
+  print('\nnn.jit traces of 4 identical jitted blocks (init / apply / '
+        'second apply)')
+  out = {}
+  for in_scan in (False, True):
+    for name, nn in (('liftmods', lnn), ('flax.linen', fnn)):
+      count = []
+
+      class Block(nn.Module):
+
+        @nn.compact
+        def __call__(self, h):
+          count.append(1)
+          return nn.tanh(nn.Dense(8)(h))
+
+      JBlock = nn.jit(Block)
+
+      class Body(nn.Module):
+
+        @nn.compact
+        def __call__(self, c, _):
+          for _ in range(4):
+            c = JBlock()(c)
+          return c, None
+
+      class Scanned(nn.Module):
+
+        @nn.compact
+        def __call__(self, c):
+          return nn.scan(Body, variable_axes={'params': 0},
+                         split_rngs={'params': True}, length=3)()(c, None)[0]
+
+      model = Scanned() if in_scan else nn.Sequential(
+          [JBlock() for _ in range(4)])
+      v = model.init(key, x)
+      seq = [len(count)]
+      for _ in range(2):
+        model.apply(v, x)
+        seq.append(len(count))
+      counts = (seq[0], seq[1] - seq[0], seq[2] - seq[1])
+      out[(name, in_scan)] = counts
+      where = 'in a scan body' if in_scan else 'in a Sequential'
+      print(f'  {where:<16} {name:<11} {counts[0]} / {counts[1]} / '
+            f'{counts[2]}')
+  return out
+
+
 def memory_figures(key):
   depth, hidden = F.mem_depth, F.mem_hidden
   x = jnp.ones((F.mem_batch, hidden))
@@ -175,10 +280,11 @@ def step_figures(key):
 
 def main(_):
   key = jax.random.key(0)
-  trace_figures(key)
-  dispatch_figures(key)
-  memory_figures(key)
-  step_figures(key)
+  sections = {'trace': trace_figures, 'dispatch': dispatch_figures,
+              'mlp': mlp_dispatch_figures, 'blocks': identical_block_traces,
+              'memory': memory_figures, 'step': step_figures}
+  for name in F.sections:
+    sections[name](key)
 
 
 if __name__ == '__main__':

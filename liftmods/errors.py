@@ -2,13 +2,16 @@
 
 Class names follow Flax Linen's where Linen has the same error, so that code
 catching ``flax.errors.ScopeParamShapeError`` ports by changing the import.
-Every message says where (module path, collection) and what was expected.
+Each message begins with Linen's wording for the same mistake (so regexes
+written against Linen's messages still match) and goes on with liftmods's
+detail: where the mistake is (module path, collection) and what to do.
 
 >>> from liftmods import errors
 >>> err = errors.ScopeParamShapeError('kernel', '/Dense_0', (3, 4), (3, 5))
 >>> isinstance(err, errors.LiftmodsError)
 True
->>> 'Dense_0' in str(err) and '(3, 4)' in str(err)
+>>> str(err).startswith('For parameter "kernel" in "/Dense_0", the given '
+...                     'initializer is expected to generate shape (3, 5)')
 True
 """
 
@@ -24,155 +27,222 @@ def _where(path: str) -> str:
   return path if path else '/'
 
 
+def _join(linen_wording: str, detail: str = '') -> str:
+  """Linen's message for the mistake, then liftmods's detail."""
+  return f'{linen_wording} {detail}' if detail else linen_wording
+
+
 class ScopeParamShapeError(LiftmodsError):
   """A stored parameter's shape differs from the one its initializer makes."""
 
   def __init__(self, name, path, stored, expected):
-    super().__init__(
-        f'Parameter "{name}" at {_where(path)} has shape {tuple(stored)}, but its '
-        f'initializer produces shape {tuple(expected)}. The variables do not '
-        'match this model: check the layer sizes, or re-initialize.')
+    super().__init__(_join(
+        f'For parameter "{name}" in "{_where(path)}", the given initializer '
+        f'is expected to generate shape {tuple(expected)}, but the existing '
+        f'parameter it received has shape {tuple(stored)}.',
+        'The variables do not match this model: check the layer sizes, or '
+        're-initialize.'))
 
 
 class ScopeParamNotFoundError(LiftmodsError):
   """A parameter is read during apply but is not in the variables."""
 
   def __init__(self, name, path):
-    super().__init__(
-        f'No parameter "{name}" at {_where(path)} in the "params" collection. '
-        'Pass variables that contain it, or create it with init().')
+    super().__init__(_join(
+        f'Could not find parameter named "{name}" in scope "{_where(path)}".',
+        'Pass variables that contain it, or create it with init().'))
 
 
 class ScopeCollectionNotFound(LiftmodsError):
   """A variable is read from a collection that was not passed at all."""
 
-  def __init__(self, col, name, path):
-    super().__init__(
-        f'Collection "{col}" is missing, so variable "{name}" at {_where(path)} '
-        f'cannot be read. Pass it to apply(), or make "{col}" mutable so it '
-        'can be created.')
+  def __init__(self, col, name, path, hint=None):
+    super().__init__(_join(
+        f'Tried to access "{name}" from collection "{col}" in '
+        f'"{_where(path)}" but the collection is empty.',
+        hint or f'Pass "{col}" to apply(), or make it mutable so that '
+        f'"{name}" can be created.'))
 
 
 class ScopeVariableNotFoundError(LiftmodsError):
   """A variable is read during apply but is not in its collection."""
 
   def __init__(self, name, col, path):
-    super().__init__(
-        f'No variable "{name}" in collection "{col}" at {_where(path)}. Pass '
-        f'variables that contain it, or make "{col}" mutable so it can be '
-        'created.')
+    super().__init__(_join(
+        f'No Variable named "{name}" for collection "{col}" exists in '
+        f'"{_where(path)}".',
+        f'Pass variables that contain it, or make "{col}" mutable so it can '
+        'be created.'))
 
 
 class ModifyScopeVariableError(LiftmodsError):
   """A variable of an immutable collection is written."""
 
   def __init__(self, col, name, path):
-    super().__init__(
-        f'Cannot write variable "{name}" of collection "{col}" at '
-        f'{_where(path)}: "{col}" is immutable here. Pass mutable=["{col}"] '
-        '(or mutable=True) to apply().')
+    super().__init__(_join(
+        f'Cannot update variable "{name}" in "{_where(path)}" because '
+        f'collection "{col}" is immutable.',
+        f'Pass mutable=["{col}"] (or mutable=True) to apply().'))
 
 
 ImmutableVariableError = ModifyScopeVariableError
 
 
-class NameInUseError(LiftmodsError):
-  """Two children or variables of one module are given the same name."""
+class NameInUseError(LiftmodsError, ValueError):
+  """Two children or variables of one module are given the same name.
 
-  def __init__(self, kind, name, owner, col=None):
-    where = f' in collection "{col}"' if col else ''
-    super().__init__(
-        f'Cannot create {kind} "{name}"{where} in {owner}: the name is already '
-        'in use there. Give one of them another name.')
+  Raised with Linen's Module wording (``Could not create param "w" in Module
+  Foo: Name in use.``) by modules, and with Linen's core wording
+  (``Duplicate use of scope name: "w"``, a ValueError there) by bare scopes.
+  """
+
+  def __init__(self, kind, name, owner, col=None, path=None):
+    if owner is None:
+      where = f' in collection "{col}"' if col else ''
+      super().__init__(_join(
+          f'Duplicate use of scope name: "{name}"',
+          f'({kind}{where} at {_where(path)}). Give one of them another '
+          'name.'))
+      return
+    at = f' at {_where(path)}' if path is not None else ''
+    super().__init__(_join(
+        f'Could not create {kind} "{name}" in Module {owner}: Name in use.',
+        f'({owner}{at} already has a child or variable named "{name}"; give '
+        'one of them another name.)'))
 
 
 class InvalidRngError(LiftmodsError):
-  """make_rng asks for a sequence that was not passed (and no 'params' rng)."""
-
-  def __init__(self, rng_name, path):
-    super().__init__(
-        f'{_where(path)} needs the PRNG sequence "{rng_name}", but none was '
-        f'given. Pass rngs={{"{rng_name}": key}} to init() or apply().')
+  """make_rng asks for a sequence that was not passed (and no 'params' rng),
+  or an rng passed in is not a PRNG key. Built from a whole message, as
+  Linen's is."""
 
 
 class InvalidRngTypeError(InvalidRngError, ValueError):
-  """An rng passed in is not a PRNG key. Also a ValueError: that is what
-  Linen raises for a bad value in an rngs dict or for the functional
-  init/apply."""
+  """An rng in a ``{name: key}`` dict passed to init/apply is not a PRNG key
+  (Linen raises a ValueError with this wording)."""
 
-  def __init__(self, rng_name, value):
-    LiftmodsError.__init__(
-        self, f'The rng for sequence "{rng_name}" must be a PRNG key (jax.random.key '
-        f'or jax.random.PRNGKey), got {type(value).__name__} '
-        f'{getattr(value, "shape", "")}.')
+  _WORDING = {
+      'init': 'First argument passed to an init function should be a '
+              '``jax.PRNGKey`` or a dictionary mapping strings to '
+              '``jax.PRNGKey``.',
+      'apply': 'The ``rngs`` argument passed to an apply function should be '
+               'a ``jax.PRNGKey`` or a dictionary mapping strings to '
+               '``jax.PRNGKey``.',
+      'bind': 'rngs should be a dictionary mapping strings to '
+              '`jax.PRNGKey`.',
+  }
+
+  def __init__(self, rng_name, value, entry='apply'):
+    super().__init__(_bad_rng_message(rng_name, value, entry))
+
+
+def _bad_rng_message(rng_name, value, entry):
+  wording = InvalidRngTypeError._WORDING  # pylint: disable=protected-access
+  return _join(
+      wording.get(entry, wording['apply']),
+      f'The rng for sequence "{rng_name}" must be a PRNG key '
+      '(jax.random.key or jax.random.PRNGKey), got '
+      f'{type(value).__name__} {getattr(value, "shape", "")}.')
+
+
+def bad_rng(rng_name, value, entry='apply') -> InvalidRngError:
+  """The error for an rng that is not a key: a ValueError (as Linen's) when
+  passed to init/apply, a plain InvalidRngError when passed to bind."""
+  if entry == 'bind':
+    return InvalidRngError(_bad_rng_message(rng_name, value, entry))
+  return InvalidRngTypeError(rng_name, value, entry)
+
+
+def missing_rng(rng_name, scope_name, path, hint=''):
+  """The InvalidRngError for a sequence that was not passed."""
+  return InvalidRngError(_join(
+      f'{scope_name} needs PRNG for "{rng_name}"',
+      f'(at {_where(path)}): pass rngs={{"{rng_name}": key}} to init() or '
+      f'apply().{hint}'))
 
 
 class ApplyScopeInvalidVariablesTypeError(LiftmodsError):
-  """The variables passed to apply are not a mapping."""
+  """The variables passed to apply are not ``{collection: dict}``."""
 
   def __init__(self, got=None):
-    kind = f' got {type(got).__name__}' if got is not None else ''
-    super().__init__(
-        'apply() expects variables as a dict {collection: {name: value}};'
-        f'{kind}.')
+    super().__init__(_join(
+        'The first argument passed to an apply function should be a '
+        'dictionary of collections. Each collection should be a dictionary '
+        'with string keys.', f'Got {_describe(got)}'))
+
+
+def _describe(variables):
+  if not hasattr(variables, 'items'):
+    return f'{type(variables).__name__}.'
+  bad = [f'{k!r}: {type(v).__name__}' for k, v in variables.items()
+         if not isinstance(k, str) or not hasattr(v, 'keys')]
+  text = 'a mapping with entries ' + ', '.join(bad[:5])
+  if any(hasattr(v, 'shape') for v in variables.values()):
+    text += '. Did you pass params instead of {"params": params}?'
+  else:
+    text += '.'
+  return text
 
 
 class ApplyScopeInvalidVariablesStructureError(LiftmodsError):
-  """Variables are passed without the collection level, e.g. bare params."""
+  """The params are wrapped in one ``{'params': ...}`` too many."""
 
-  def __init__(self, variables):
-    keys = list(variables)[:5]
-    super().__init__(
-        'apply() expects variables with collections at the top level, e.g. '
-        f'{{"params": {{...}}}}; got top-level keys {keys}. Did you pass '
-        'params instead of {"params": params}?')
+  def __init__(self, variables=None):
+    super().__init__(_join(
+        'Expect the `variables` (first argument) passed to apply() to be a '
+        'dict with the structure {"params": ...}, but got a dict with an '
+        'extra params layer, i.e.  {"params": {"params": ... } }. You should '
+        'instead pass in your dict\'s ["params"].'))
 
 
 class InvalidScopeError(LiftmodsError):
   """A scope is used after the transform or apply that owned it ended."""
 
   def __init__(self, name):
-    super().__init__(
-        f'The scope "{name}" is no longer valid: it belonged to an init/apply '
-        'or a transform that has finished. Do not keep modules or scopes '
-        'past the call that created them.')
+    super().__init__(_join(
+        f'The scope "{name}" is no longer valid.',
+        'It belonged to an init/apply or a transform that has finished: do '
+        'not keep modules or scopes past the call that created them.'))
 
 
 class InvalidFilterError(LiftmodsError):
   """A collection filter has an unsupported type."""
 
   def __init__(self, filter_like):
-    super().__init__(
-        'A collection filter must be True, False, a name, a sequence of '
-        f'names or DenyList(...); got {filter_like!r}.')
+    super().__init__(_join(
+        f'Invalid Filter: "{filter_like}"',
+        '(a collection filter is True, False, a name, a sequence of names or '
+        'DenyList(...)).'))
 
 
 class SetAttributeFrozenModuleError(LiftmodsError):
   """A module attribute is assigned outside of setup()."""
 
   def __init__(self, module_cls, attr_name, attr_val):
-    super().__init__(
-        f'Cannot set attribute "{attr_name}" of {module_cls} to {attr_val!r}: '
-        'modules are frozen after construction. Assign submodules and '
-        'variables inside setup(), or use clone(**overrides).')
+    super().__init__(_join(
+        f"Can't set {attr_name}={attr_val} for Module of type {module_cls}: "
+        'Module instance is frozen outside of setup method.',
+        'Assign submodules and variables inside setup(), or use '
+        'clone(**overrides).'))
 
 
 class SetAttributeInModuleSetupError(LiftmodsError):
   """A dataclass field is reassigned inside setup()."""
 
   def __init__(self, module_cls='', attr_name=''):
-    super().__init__(
-        f'Cannot reassign the dataclass field "{attr_name}" of {module_cls} '
-        'inside setup(); fields are fixed at construction.')
+    super().__init__(_join(
+        'Module construction attributes are frozen.',
+        f'(setup() of {module_cls} reassigns the dataclass field '
+        f'"{attr_name}"; fields are fixed at construction.)'))
 
 
 class MultipleMethodsCompactError(LiftmodsError):
   """More than one method of a class is decorated with @compact."""
 
   def __init__(self, module_cls=''):
-    super().__init__(
-        f'{module_cls} has more than one @compact method. Only one method per '
-        'module may be compact; move the others into submodules or setup().')
+    super().__init__(_join(
+        'Only one method per class can be @compact',
+        f'({module_cls}); move the others into submodules or setup().'))
 
 
 class ReservedModuleAttributeError(LiftmodsError):
@@ -180,75 +250,83 @@ class ReservedModuleAttributeError(LiftmodsError):
 
   def __init__(self, annotations):
     super().__init__(
-        f'Fields "parent" and "name" are reserved by Module; got annotations '
-        f'{annotations}.')
+        f'properties `parent` and `name` are reserved: {annotations}')
 
 
 class AssignSubModuleError(LiftmodsError):
   """A submodule is constructed outside setup() and outside @compact."""
 
-  def __init__(self, cls):
-    super().__init__(
-        f'Submodule {cls} must be created in setup() or in a method wrapped '
-        'in @compact.')
+  def __init__(self, cls, where=''):
+    super().__init__(_join(
+        f'Submodule {cls} must be defined in `setup()` or in a method '
+        'wrapped in `@compact`', f'({where})' if where else ''))
 
 
 class ApplyModuleInvalidMethodError(LiftmodsError):
   """The method= passed to apply/init is not usable."""
 
   def __init__(self, method):
-    super().__init__(
-        f'method= must be a method of the module, its name, or a function '
-        f'taking the module as first argument; got {method!r}.')
+    super().__init__(_join(
+        f'Cannot call apply(): {method} is not a valid function for apply().',
+        'Pass a method of the module, its name, or a function taking the '
+        'module as first argument.'))
 
 
 class CallCompactUnboundModuleError(LiftmodsError):
   """A compact method is called on a module that is not bound to variables."""
 
   def __init__(self, cls=''):
-    super().__init__(
-        f'{cls} is unbound: call it through init() or apply(), or bind() it '
-        'to variables first.')
+    super().__init__(_join(
+        "Can't call compact methods on unbound modules",
+        f'({cls}): call it through init() or apply(), or bind() it to '
+        'variables first.'))
 
 
 class CallSetupUnboundModuleError(LiftmodsError):
   """setup() is called on an unbound module."""
 
-  def __init__(self):
-    super().__init__('setup() can only run on a bound module: use init(), '
-                     'apply() or bind().')
+  def __init__(self, cls=''):
+    # Linen uses the compact-method wording for setup() as well.
+    super().__init__(_join(
+        "Can't call compact methods on unbound modules",
+        f'(setup() of {cls or "a module"} needs a bound module: use init(), '
+        'apply() or bind()).'))
 
 
 class CallUnbindOnUnboundModuleError(LiftmodsError):
   """unbind() is called on a module that is not bound."""
 
   def __init__(self, cls=''):
-    super().__init__(f'unbind() was called on an unbound {cls}; it needs a '
-                     'module returned by bind().')
+    super().__init__(_join(
+        "Can't call `unbind()` on unbound modules",
+        f'({cls}); it needs a module returned by bind().'))
 
 
 class UnboundModuleError(LiftmodsError, ValueError):
-  """A variable or rng method is used on an unbound module."""
+  """A variable or rng method is used on an unbound module (Linen raises a
+  ValueError with the same wording)."""
 
-  def __init__(self, cls, what):
-    super().__init__(
-        f'{cls} is unbound, so it cannot {what}. Use init(), apply() or bind().')
+  def __init__(self, cls, linen_wording):
+    super().__init__(_join(
+        linen_wording, f'({cls}): use init(), apply() or bind().'))
 
 
 class InvalidInstanceModuleError(LiftmodsError):
   """init/apply is called on the class instead of an instance."""
 
   def __init__(self):
-    super().__init__('init()/apply() must be called on a module instance, '
-                     'e.g. MyModule().init(...), not on the class.')
+    super().__init__(_join(
+        'Can only call init, init_with_output or apply methods on an '
+        'instance of the Module class, not the Module class itself',
+        '(e.g. MyModule().init(...)).'))
 
 
 class IncorrectPostInitOverrideError(LiftmodsError):
   """A subclass overrides __post_init__ without calling super()."""
 
   def __init__(self):
-    super().__init__('A Module subclass overrode __post_init__ without calling '
-                     'super().__post_init__().')
+    super().__init__(
+        'Overrode `.__post_init__()` without calling `super().__post_init__()`')
 
 
 class TransformTargetError(LiftmodsError):
@@ -256,25 +334,27 @@ class TransformTargetError(LiftmodsError):
 
   def __init__(self, target):
     super().__init__(
-        'Lifted transforms take a Module class or a function whose first '
-        f'argument is a Module; got {target!r}.')
+        'Linen transformations must be applied to Modules classes or '
+        'functions taking a Module instance as the first argument. The '
+        f'provided target is not a Module class or callable: {target}')
 
 
 class TransformedMethodReturnValueError(LiftmodsError):
   """A transformed method returned a Module (which cannot cross a transform)."""
 
   def __init__(self, name):
-    super().__init__(
-        f'The transformed method "{name}" returned a Module or Variable; '
-        'these cannot leave a transform. Return arrays instead.')
+    super().__init__(_join(
+        f'Transformed module method {name} cannot return Modules or '
+        'Variables.', 'Return arrays instead.'))
 
 
 class JaxTransformError(LiftmodsError):
   """A JAX transform is applied directly to a bound module method."""
 
   def __init__(self):
-    super().__init__('Use liftmods transforms (nn.jit, nn.vmap, ...) inside '
-                     'modules rather than jax transforms over bound modules.')
+    super().__init__(_join(
+        'Jax transforms and Flax models cannot be mixed.',
+        'Use liftmods transforms (nn.jit, nn.vmap, ...) inside modules.'))
 
 
 class LiftError(LiftmodsError, ValueError):
@@ -304,12 +384,12 @@ class WhileLoopInitError(LiftError):
 class PartitioningUnspecifiedError(LiftError):
   """A Partitioned variable crosses vmap/scan without a partition name."""
 
-  def __init__(self, names):
-    super().__init__(
-        f'A Partitioned variable with names {names} went through a transform '
-        'that adds an axis, but metadata_params has no "partition_name". '
-        'Pass metadata_params={"partition_name": "layers"} (or None for an '
-        'unsharded axis).')
+  def __init__(self, target):
+    super().__init__(_join(
+        'Trying to transform a Partitioned variable but "partition_name" is '
+        f'not specified in metadata_params: {target}',
+        '-- pass metadata_params={"partition_name": "layers"} (or None for '
+        'an unsharded axis).'))
 
 
 class DescriptorAttributeError(LiftmodsError):

@@ -27,6 +27,7 @@ import itertools
 import threading
 import types
 import weakref
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import jax
@@ -37,6 +38,7 @@ from liftmods.core import partial_eval
 from liftmods.core import scope as core
 from liftmods.core.filters import DenyList, union
 from liftmods.core.frozen_dict import FrozenDict, freeze
+from liftmods.core.rngs import as_lazy
 from liftmods.core.scope import Scope
 
 
@@ -547,8 +549,9 @@ class Module:
       return False
     if not parent._initialization_allowed:
       raise errors.AssignSubModuleError(
-          f'{type(self).__name__} (created in {type(parent).__name__} at '
-          f'{parent.scope.path_text if parent.scope else "<unbound>"})')
+          type(self).__name__,
+          f'created in {type(parent).__name__} at '
+          f'{parent.scope.path_text if parent.scope else "<unbound>"}')
     if parent.scope is None:
       raise errors.CallCompactUnboundModuleError(type(parent).__name__)
     name = self.name
@@ -560,9 +563,8 @@ class Module:
       object.__setattr__(self, 'name', name)
     reuse = pstate.in_setup and pstate.setup_called == TRANSFORMED
     if not reuse and parent.scope.name_reserved(name):
-      raise errors.NameInUseError('submodule', name,
-                                  f'{type(parent).__name__} at '
-                                  f'{parent.scope.path_text}')
+      raise errors.NameInUseError('submodule', name, type(parent).__name__,
+                                  path=parent.scope.path_text)
     pstate.children[name] = self
     object.__setattr__(self, 'scope', parent.scope.push(name, reuse=reuse))
     return True
@@ -686,7 +688,7 @@ class Module:
     is_setup = fun_name == 'setup'
     if is_setup:
       if self.scope is None:
-        raise errors.CallSetupUnboundModuleError()
+        raise errors.CallSetupUnboundModuleError(type(self).__name__)
       recurrent = state.in_setup
       state.in_setup = True
     else:
@@ -755,19 +757,26 @@ class Module:
 
   # -- variables and rngs ------------------------------------------------------------
 
-  def _require_scope(self, what: str) -> Scope:
+  def _require_scope(self, linen_wording: str) -> Scope:
     if self.scope is None:
-      raise errors.UnboundModuleError(type(self).__name__, what)
+      raise errors.UnboundModuleError(type(self).__name__, linen_wording)
     return self.scope
+
+  def _reserve_check(self, scope: Scope, kind: str, name: str, col: str):
+    if scope.name_reserved(name, col):
+      raise errors.NameInUseError(kind, name, type(self).__name__,
+                                  path=scope.path_text)
 
   def param(self, name: str, init_fn: Callable, *init_args, unbox=True,
             **init_kwargs):
     """Declares parameter ``name``; created with
     ``init_fn(rng, *init_args)`` during init, read from ``params`` after."""
     if not self._initialization_allowed:
-      raise ValueError('Parameters must be created in setup() or in a '
-                       f'@compact method ({type(self).__name__}.{name}).')
-    scope = self._require_scope('create parameters')
+      raise ValueError('Parameters must be initialized in `setup()` or in a '
+                       'method wrapped in `@compact` '
+                       f'({type(self).__name__}.{name}).')
+    scope = self._require_scope(_NO_VARIABLES)
+    self._reserve_check(scope, 'param', name, 'params')
     value = scope.param(name, init_fn, *init_args, unbox=unbox, **init_kwargs)
     self._state.children[name] = 'params'
     return value
@@ -777,55 +786,57 @@ class Module:
     """Declares variable ``name`` of collection ``col``; returns a reference
     whose ``.value`` can be read and (if ``col`` is mutable) written."""
     if not self._initialization_allowed:
-      raise ValueError('Variables must be created in setup() or in a '
-                       f'@compact method ({type(self).__name__}.{name}).')
-    scope = self._require_scope('create variables')
+      raise ValueError('Variables must be initialized in `setup()` or in a '
+                       'method wrapped in `@compact` '
+                       f'({type(self).__name__}.{name}).')
+    scope = self._require_scope(_NO_VARIABLES)
+    self._reserve_check(scope, 'variable', name, col)
     v = scope.variable(col, name, init_fn, *init_args, unbox=unbox,
                        **init_kwargs)
     self._state.children[name] = col
     return v
 
   def has_variable(self, col: str, name: str) -> bool:
-    return self._require_scope('look up variables').has_variable(col, name)
+    return self._require_scope(_NO_VARIABLES).has_variable(col, name)
 
   def get_variable(self, col: str, name: str, default=None):
-    return self._require_scope('read variables').get_variable(col, name,
+    return self._require_scope(_NO_VARIABLES).get_variable(col, name,
                                                                default)
 
   def put_variable(self, col: str, name: str, value):
-    self._require_scope('write variables').put_variable(col, name, value)
+    self._require_scope(_NO_VARIABLES).put_variable(col, name, value)
 
   def is_mutable_collection(self, col: str) -> bool:
-    return self._require_scope('check mutability').is_mutable_collection(col)
+    return self._require_scope("Can't check mutability on unbound modules").is_mutable_collection(col)
 
   def has_rng(self, name: str) -> bool:
-    return self._require_scope('query rngs').has_rng(name)
+    return self._require_scope("Can't query for RNGs on unbound modules").has_rng(name)
 
   def make_rng(self, name: str = 'params'):
     """A new key from sequence ``name`` (falls back to 'params')."""
-    return self._require_scope('make rngs').make_rng(name)
+    return self._require_scope("Can't use RNGs on unbound modules").make_rng(name)
 
   def is_initializing(self) -> bool:
     """True inside ``init`` / ``init_with_output``."""
-    return bool(self._require_scope('check initializing').get_flag(
+    return bool(self._require_scope("Can't check if running under init() on unbound modules").get_flag(
         'initializing', False))
 
   @property
   def variables(self) -> dict:
-    found = self._require_scope('list variables').variables()
+    found = self._require_scope(_NO_VARIABLES).variables()
     if config.FLAG_VALUES['flax_return_frozendict']:
       return freeze(found)
     return found
 
   @property
   def path(self) -> tuple:
-    return self._require_scope('report its path').path
+    return self._require_scope("Can't access module paths on unbound modules.").path
 
   def sow(self, col: str, name: str, value, reduce_fn=_tuple_reduce,
           init_fn=_tuple_init) -> bool:
     """Stores ``value`` in ``col`` (a tuple of values by default); a no-op
     returning False when ``col`` is not mutable."""
-    scope = self._require_scope('sow values')
+    scope = self._require_scope(_NO_STORE)
     if not scope.is_mutable_collection(col):
       return False
     if scope.has_variable(col, name):
@@ -840,7 +851,7 @@ class Module:
   def perturb(self, name: str, value, collection: str = 'perturbations'):
     """Adds a zero variable to ``value`` so that its gradient is the gradient
     with respect to this intermediate value."""
-    scope = self._require_scope('perturb values')
+    scope = self._require_scope(_NO_STORE)
     if scope.is_mutable_collection(collection) and not scope.has_variable(
         collection, name):
       scope.reserve(name, collection)
@@ -869,7 +880,7 @@ class Module:
       if isinstance(attr, Module):
         return lambda m, *a, **k: getattr(m, method)(*a, **k)
       if not callable(attr):
-        raise TypeError(f"'{type(self).__name__}.{method}' must be callable, "
+        raise TypeError(f"'{type(self).__name__}.{method}' must be a callable, "
                         f'got {type(attr)}.')
       method = attr
     elif method is None:
@@ -881,6 +892,8 @@ class Module:
     """Runs ``method`` (default ``__call__``) with ``variables``; returns the
     output, or ``(output, mutated_collections)`` when ``mutable``."""
     Module._module_checks(self)
+    if rngs is not None:
+      _check_key(self, rngs)
     fn = self._resolve_method(method)
     capture, mutable = _with_capture(capture_intermediates, mutable)
     return core.run(
@@ -892,6 +905,7 @@ class Module:
                        capture_intermediates=False, **kwargs):
     """Initializes variables; returns ``(output, variables)``."""
     Module._module_checks(self)
+    _check_key(self, rngs)
     fn = self._resolve_method(method)
     return init_with_output(fn, self, mutable=mutable,
                             capture_intermediates=capture_intermediates)(
@@ -970,6 +984,8 @@ class Module:
 
 
 _CONTAINERS = (Module, list, tuple, dict, FrozenDict)
+_NO_VARIABLES = "Can't access variables on unbound modules"
+_NO_STORE = "Can't store variables on unbound modules"
 
 
 def _tabulate_option_names():
@@ -977,18 +993,34 @@ def _tabulate_option_names():
   return TABULATE_OPTIONS
 
 
+def _check_key(module: Module, rngs):
+  """A bare (non-dict) rng given to init/apply must be a PRNG key."""
+  if isinstance(rngs, Mapping):
+    return
+  try:
+    as_lazy('params', rngs)
+  except errors.InvalidRngError:
+    raise errors.InvalidRngError(
+        'RNGs should be of shape (2,) or PRNGKey in Module '
+        f'{type(module).__name__}, but rngs are: {rngs} (expected '
+        'jax.random.key(seed) or jax.random.PRNGKey(seed), or a dict '
+        '{sequence_name: key}).') from None
+
+
 def _checked_hash(hash_fn):
 
   @functools.wraps(hash_fn)
   def wrapped(self):
     if self.scope is not None:
-      raise TypeError(f'{type(self).__name__} is bound to variables and '
-                      'cannot be hashed; hash an unbound module instead.')
+      raise TypeError("Can't call __hash__ on modules that hold variables. "
+                      f'({type(self).__name__} is bound; hash an unbound '
+                      'module instead.)')
     try:
       return hash_fn(self)
     except TypeError as e:
-      raise TypeError(f'{type(self).__name__} has unhashable attributes: '
-                      f'{e}') from e
+      raise TypeError('Failed to hash Flax Module.  The module probably '
+                      f'contains unhashable attributes.  Module={self} '
+                      f'({e})') from e
 
   return wrapped
 
@@ -1103,7 +1135,7 @@ def merge_param(name: str, a, b):
                      'or at call time.')
   if a is not None and b is not None:
     raise ValueError(f'Parameter "{name}" was passed to the constructor and '
-                     'at call time; pass it once.')
+                     'at call time. Should be passed just once.')
   return a if a is not None else b
 
 

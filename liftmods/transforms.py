@@ -78,9 +78,20 @@ def _bound(x) -> bool:
   return isinstance(x, (Module, Variable)) and isinstance(x.scope, Scope)
 
 
+_SCALARS = frozenset((str, int, float, bool))
+_PLAIN_ARG_TYPES = set()  # types seen as call arguments that hold no module
+
+
 def _needs_walk(args, kwargs) -> bool:
+  if not kwargs and all(type(a) in _PLAIN_ARG_TYPES for a in args):
+    return False
   leaves = jax.tree_util.tree_leaves((args, kwargs), is_leaf=_bound)
-  return any(_bound(x) for x in leaves)
+  if any(_bound(x) for x in leaves):
+    return True
+  for a in args:
+    if isinstance(a, jax.Array):
+      _PLAIN_ARG_TYPES.add(type(a))
+  return False
 
 
 def get_module_scopes(module: Module, args=(), kwargs=None):
@@ -117,6 +128,8 @@ def get_module_scopes(module: Module, args=(), kwargs=None):
     seen[m._id] = m
     m._try_setup(shallow=True)
     for v in _field_attrs(m).values():
+      if v is None or type(v) in _SCALARS:
+        continue
       for leaf in jax.tree_util.tree_leaves(v, is_leaf=_bound):
         if isinstance(leaf, Module) and isinstance(leaf.scope, Scope):
           module_scopes(leaf)
@@ -518,32 +531,69 @@ def add_metadata_axis(target, variable_axes=FrozenDict(), metadata_params={}):
 # -- jit ---------------------------------------------------------------------------------
 
 
+class _Identity:
+  """Stands for a value that cannot be hashed: equal only to itself. It
+  holds the value, so a cached key never outlives it (no reuse of ids)."""
+
+  __slots__ = ('value',)
+
+  def __init__(self, value):
+    self.value = value
+
+  def __hash__(self):
+    return id(self.value)
+
+  def __eq__(self, other):
+    return isinstance(other, _Identity) and other.value is self.value
+
+
 def _fingerprint(value):
-  """A hashable stand-in for a field value: modules by class and fields,
-  containers element-wise, other unhashable values by identity."""
+  """A hashable stand-in for a field value: modules by class and fields
+  (not their names: the name does not change the computation), containers
+  element-wise, unhashable dataclasses by their fields, anything else that
+  cannot be hashed by identity. The value's own ``__hash__``/``__eq__`` are
+  only used when hashing succeeds."""
   if isinstance(value, Module):
     return (type(value), tuple((n, _fingerprint(v))
-                               for n, v in _field_attrs(value).items()))
+                               for n, v in _field_attrs(value).items()
+                               if n != 'name'))
   if isinstance(value, (list, tuple)):
     return (type(value), tuple(_fingerprint(v) for v in value))
   if isinstance(value, (dict, FrozenDict)):
-    return (dict, tuple(sorted((k, _fingerprint(v)) for k, v in value.items())))
+    return (dict, tuple((k, _fingerprint(v)) for k, v in value.items()))
   try:
     hash(value)
-  except TypeError:
-    return ('id', id(value))
+  except Exception:  # pylint: disable=broad-except
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+      return (type(value), tuple(
+          (f.name, _fingerprint(getattr(value, f.name, None)))
+          for f in dataclasses.fields(value)))
+    return _Identity(value)
   return value
 
 
+def _state_key(module: Module):
+  """What of a module's naming state a trace depends on: setup/compact
+  flags, the auto-name counters, and the names already taken in its scope."""
+  state = module._state
+  key = (state.in_compact, state.in_setup, bool(state.setup_called),
+         tuple(state.autoname.items()) if state.autoname else ())
+  scope = module.scope
+  if scope is not None and scope.reservations:
+    key += (tuple((n, frozenset(c)) for n, c in scope.reservations.items()),)
+  return key
+
+
 class _ModuleKey:
-  """Hashable by the module's configuration; carries the module itself so
-  that a trace can rebuild it."""
+  """Hashable by what determines the module's computation: its class,
+  configuration and naming state, not its name or position. Carries the
+  module itself so that a trace can rebuild it."""
 
   __slots__ = ('module', 'key', '_hash')
 
   def __init__(self, module: Module):
     self.module = module
-    self.key = _fingerprint(module)
+    self.key = (_fingerprint(module), _state_key(module))
     self._hash = hash(self.key)
 
   def __hash__(self):
@@ -573,11 +623,30 @@ class _forked_rngs:
     self.scope.rngs = self.saved
 
 
+def _unbound_jit(fn, trafo_kwargs):
+  """``jax.jit`` of ``fn(module, *args)`` for an unbound module (e.g. an
+  ``init_with_output`` override): the module is a static argument, keyed
+  by its configuration, and a clone of it runs inside."""
+  static = trafo_kwargs['static_argnums']
+  static = (static,) if isinstance(static, int) else tuple(static)
+  donate = trafo_kwargs['donate_argnums']
+  donate = (donate,) if isinstance(donate, int) else tuple(donate)
+  extra = {k: trafo_kwargs[k] for k in ('device', 'backend')
+           if trafo_kwargs[k] is not None}
+
+  def run(module_key, *args, **kwargs):
+    return fn(module_key.module.clone(parent=None), *args, **kwargs)
+
+  return jax.jit(run, static_argnums=(0,) + tuple(i for i in static if i > 0),
+                 static_argnames=trafo_kwargs['static_argnames'],
+                 donate_argnums=tuple(i for i in donate if i > 0), **extra)
+
+
 def _jit_lift(fn, fn_name, cls, trafo_kwargs, transform=lift.jit):
   """``fn(module, *args)`` under a lifted jit whose compile cache is keyed
   by the module's configuration (so repeated applies hit it). With
   ``transform=lift.fold_rngs``: the same rng handling, without compiling."""
-  core = None
+  core = unbound = None
 
   def scope_fn(scopes, module_key, *args, **kwargs):
     module = module_key.module
@@ -585,7 +654,11 @@ def _jit_lift(fn, fn_name, cls, trafo_kwargs, transform=lift.jit):
                          cls=cls)(scopes, *args, **kwargs)
 
   def lifted(self, *args, **kwargs):
-    nonlocal core
+    nonlocal core, unbound
+    if self.scope is None and transform is lift.jit:
+      if unbound is None:
+        unbound = _unbound_jit(fn, trafo_kwargs)
+      return unbound(_ModuleKey(self), *args, **kwargs)
     if core is None:
       core = transform(scope_fn, **trafo_kwargs)
     with _forked_rngs(self):

@@ -492,7 +492,7 @@ def test_error_decode_without_cache():
   x = jnp.ones((1, 3, 4))
   params = {'params': layer.init(jax.random.key(0), x)['params']}
   with pytest.raises(errors.ScopeCollectionNotFound,
-                     match=r'at /: decode=True needs .*"cache"'):
+                     match=r'At /: decode=True needs .*"cache"'):
     layer.apply(params, x[:, :1])
   model = _with_parent(lambda: lnn.MultiHeadDotProductAttention(
       num_heads=2, decode=True, name='dec'))
@@ -515,8 +515,8 @@ def test_error_decode_step_shape():
       num_heads=2, decode=True, name='dec'))
   x = jnp.ones((2, 3, 4))
   variables = model.init(jax.random.key(0), x)
-  with pytest.raises(ValueError, match=r'/dec.*expected projected query '
-                     r'shape \(2, 1, 2, 2\).*got \(2, 2, 2, 2\)'):
+  with pytest.raises(ValueError, match=r'expected query shape \(2, 1, 2, 2\) '
+                     r'instead got \(2, 2, 2, 2\).*/dec'):
     model.apply(variables, x[:, :2], mutable=['cache'])
 
 
@@ -525,7 +525,7 @@ def test_error_input_argument_combinations():
   x = jnp.ones((1, 3, 4))
   with pytest.raises(ValueError, match='inputs_kv or inputs_k/inputs_v'):
     layer.init(jax.random.key(0), x, x, inputs_kv=x)
-  with pytest.raises(ValueError, match='inputs_v was given without inputs_k'):
+  with pytest.raises(ValueError, match='`inputs_k` cannot be None if `inputs_v`'):
     layer.init(jax.random.key(0), x, inputs_v=x)
 
 

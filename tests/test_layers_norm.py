@@ -456,11 +456,12 @@ def test_batch_norm_eval_without_stats():
 @pytest.mark.parametrize('kwargs,exc,words', [
     (dict(num_groups=4), ValueError, ['(4)', '(6)', 'divide']),
     (dict(num_groups=0), ValueError, ['positive']),
-    (dict(num_groups=None, group_size=4), ValueError, ['group_size (4)']),
-    (dict(num_groups=None), ValueError, ['exactly one']),
-    (dict(num_groups=2, group_size=3), ValueError, ['exactly one']),
+    (dict(num_groups=None, group_size=4), ValueError, ['group size (4)']),
+    (dict(num_groups=None), ValueError, ['Either `num_groups` or']),
+    (dict(num_groups=2, group_size=3), ValueError, ['Either `num_groups` or']),
     (dict(num_groups=2.0), TypeError, ['must be an int']),
-    (dict(num_groups=2, reduction_axes=(1, 2)), ValueError, ['last axis']),
+    (dict(num_groups=2, reduction_axes=(1, 2)), ValueError,
+     ['must include the final dimension']),
 ])
 def test_group_norm_errors(kwargs, exc, words):
   model = _wrapped(lambda x: LM.GroupNorm(**kwargs)(x))

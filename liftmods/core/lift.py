@@ -225,6 +225,13 @@ class _Packing:
       self.scopes = (scope_tree,)
       self.treedef = None
       self.links = ((0, ()),)
+    elif (type(scope_tree) is list and len(scope_tree) == 1  # pylint: disable=unidiomatic-typecheck
+          and isinstance(scope_tree[0], Scope)):
+      # A module's own scope, as lifted transforms pass it: no walk needed.
+      scope_tree[0]._check_valid()
+      self.scopes = (scope_tree[0],)
+      self.treedef = _ONE_SCOPE_LIST
+      self.links = ((0, ()),)
     else:
       leaves, self.treedef = jax.tree_util.tree_flatten(
           scope_tree, is_leaf=lambda x: isinstance(x, Scope))
@@ -245,6 +252,8 @@ class _Packing:
                  for i in range(len(filters)))
 
   def rng_groups(self, filters):
+    if len(self.scopes) == 1 and not self.scopes[0].rngs:
+      return tuple(({},) for _ in filters)
     per_scope = []
     for s in self.scopes:
       if s.rngs:
@@ -339,6 +348,9 @@ class _Packing:
           target = scope._mutable_collection(col)  # pylint: disable=protected-access
           for name, value in collection.items():
             _merge_into(target, name, value)
+
+
+_ONE_SCOPE_LIST = jax.tree_util.tree_structure([0])
 
 
 def _dedup(leaves):
@@ -1397,17 +1409,21 @@ def jit(fn: Callable[..., Any], variables=True, rngs=True,
             *args, **kwargs):
     packing = scope_fn.__self__
     scopes = packing.scopes
+    # Not the scopes' paths: the traced computation sees only the variable
+    # groups and bare keys, so identical modules at different paths share
+    # one compiled function (as in Linen).
     if len(scopes) == 1:
       s = scopes[0]
-      before = (_counter_state(s.rng_counters),)
-      where = ((s.path, _hashable_filter(s.mutable),
-                _hashable_flags(s.flags)),)
+      state = _counter_state(s.rng_counters) if s.rng_counters else ()
+      before = (state,)
+      where = ((_hashable_filter(s.mutable), _hashable_flags(s.flags)),)
+      counters = (_without_zero_children(state) if state else (),)
     else:
       before = tuple(_counter_state(s.rng_counters) for s in scopes)
-      where = tuple((s.path, _hashable_filter(s.mutable),
-                     _hashable_flags(s.flags)) for s in scopes)
-    fingerprint = (hash_key, where, packing.links, packing.treedef,
-                   tuple(_without_zero_children(b) for b in before))
+      where = tuple((_hashable_filter(s.mutable), _hashable_flags(s.flags))
+                    for s in scopes)
+      counters = tuple(_without_zero_children(b) for b in before)
+    fingerprint = (hash_key, where, packing.links, packing.treedef, counters)
     entry = cache.get(fingerprint)
     if entry is None:
       if len(cache) >= _JIT_CACHE_LIMIT:

@@ -172,7 +172,7 @@ class Partitioned(AxisMetadata):
 
   def _axis_name(self, params):
     if PARTITION_NAME not in params:
-      raise errors.PartitioningUnspecifiedError(self.names)
+      raise errors.PartitioningUnspecifiedError(self)
     return params[PARTITION_NAME]
 
   def add_axis(self, index, params):

@@ -66,14 +66,15 @@ class LazyKey:
     return f'LazyKey({self.key}, suffix={self.suffix})'
 
 
-def as_lazy(name: str, rng) -> LazyKey:
-  """Validates a user-supplied rng and wraps it as a LazyKey."""
+def as_lazy(name: str, rng, entry: str = 'apply') -> LazyKey:
+  """Validates a user-supplied rng and wraps it as a LazyKey; ``entry``
+  names the call it was passed to, for the error message."""
   if isinstance(rng, LazyKey):
     return rng
   if hasattr(rng, '__class__') and type(rng).__name__ == 'LazyRng':
     return LazyKey(rng.rng, tuple(rng.suffix))  # a flax LazyRng, duck-typed
   if not _is_key(rng):
-    raise errors.InvalidRngTypeError(name, rng)
+    raise errors.bad_rng(name, rng, entry)
   return LazyKey(rng)
 
 

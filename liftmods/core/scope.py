@@ -174,7 +174,7 @@ class Scope:
                       f'at {self.path_text}')
     if self.name_reserved(name, col):
       kind = 'submodule' if col is None else 'variable'
-      raise errors.NameInUseError(kind, name, self.path_text, col)
+      raise errors.NameInUseError(kind, name, None, col, self.path_text)
     self.reservations.setdefault(name, set()).add(col)
 
   def default_name(self, prefix: str) -> str:
@@ -380,7 +380,7 @@ class Scope:
     """A fresh key of sequence ``name``; falls back to 'params' like Linen."""
     if name not in self.rngs:
       if 'params' not in self.rngs:
-        raise errors.InvalidRngError(name, self.path_text)
+        raise errors.missing_rng(name, self.name, self.path_text)
       name = 'params'
     self._check_valid()
     self.rng_counters[name] += 1
@@ -537,19 +537,23 @@ def _validate_variables(variables):
   if not isinstance(variables, Mapping):
     raise errors.ApplyScopeInvalidVariablesTypeError(variables)
   for col, value in variables.items():
-    if not isinstance(col, str) or not isinstance(value, Mapping):
-      raise errors.ApplyScopeInvalidVariablesStructureError(variables)
+    if type(col) is not str or (type(value) is not dict  # pylint: disable=unidiomatic-typecheck
+                                and not isinstance(value, Mapping)):
+      if not isinstance(col, str) or not isinstance(value, Mapping):
+        raise errors.ApplyScopeInvalidVariablesTypeError(variables)
   params = variables.get('params')
-  if isinstance(params, Mapping) and 'params' in params:
-    raise errors.ApplyScopeInvalidVariablesStructureError(params)
+  if params is not None and 'params' in params:  # a Mapping: checked above
+    raise errors.ApplyScopeInvalidVariablesStructureError(variables)
 
 
-def _normalize_rngs(rngs):
+def _normalize_rngs(rngs, entry='apply'):
+  """``{name: LazyKey}`` from a key or a ``{name: key}`` dict; ``entry``
+  ('init', 'apply' or 'bind') picks the wording of the error for a bad one."""
   if rngs is None:
     return {}
   if isinstance(rngs, Mapping):
-    return {k: as_lazy(k, v) for k, v in rngs.items()}
-  return {'params': as_lazy('params', rngs)}
+    return {k: as_lazy(k, v, entry) for k, v in rngs.items()}
+  return {'params': as_lazy('params', rngs, entry)}
 
 
 def _copy_mutable(variables: Mapping, mutable) -> dict:
@@ -560,8 +564,12 @@ def _copy_mutable(variables: Mapping, mutable) -> dict:
 def bind(variables: Mapping, rngs=None, mutable=False,
          flags: Mapping | None = None) -> Scope:
   """A root Scope over ``variables`` for interactive use."""
+  return _bind(variables, _normalize_rngs(rngs, 'bind'), mutable, flags)
+
+
+def _bind(variables, lazy_rngs, mutable, flags):
   _validate_variables(variables)
-  return Scope(_copy_mutable(variables, mutable), rngs=_normalize_rngs(rngs),
+  return Scope(_copy_mutable(variables, mutable), rngs=lazy_rngs,
                mutable=mutable, flags=flags)
 
 
@@ -582,7 +590,7 @@ def apply(fn: Callable, mutable=False, flags: Mapping | None = None):
 def run(fn: Callable, variables, args, kwargs, rngs=None, mutable=False,
         flags: Mapping | None = None):
   """One ``apply`` call without building a wrapper: ``fn(root, *args)``."""
-  root = bind(variables, rngs, mutable, flags)
+  root = _bind(variables, _normalize_rngs(rngs), mutable, flags)
   try:
     out = fn(root, *args, **kwargs)
   finally:
@@ -603,7 +611,7 @@ def init(fn: Callable, mutable=True, flags: Mapping | None = None):
   def wrapper(rngs, *args, **kwargs):
     init_flags = {**(flags or {}), 'initializing': True}
     return apply(fn, mutable=mutable, flags=init_flags)(
-        {}, *args, rngs=_normalize_rngs(rngs), **kwargs)
+        {}, *args, rngs=_normalize_rngs(rngs, 'init'), **kwargs)
 
   return wrapper
 

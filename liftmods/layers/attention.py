@@ -56,17 +56,15 @@ class AttentionConfigError(errors.LiftmodsError, ValueError):
   """An attention layer got attributes or inputs it cannot work with."""
 
 
-class DecodeCacheMissingError(errors.ScopeCollectionNotFound):
+def _decode_cache_missing(path: str) -> errors.ScopeCollectionNotFound:
   """``decode=True`` was applied without a cache to read or create."""
-
-  def __init__(self, path: str):
-    errors.LiftmodsError.__init__(
-        self,
-        f'{path}: decode=True needs the autoregressive cache (collection '
-        '"cache": cached_key, cached_value, cache_index), expected it in the '
-        'variables or a mutable "cache" collection, got neither. Create it '
-        'with init() (or apply(..., mutable=["cache"]) on full-length '
-        'inputs), then apply each step with mutable=["cache"].')
+  return errors.ScopeCollectionNotFound(
+      'cache', 'cached_key', path,
+      hint=f'At {path}: decode=True needs the autoregressive cache '
+      '(collection "cache": cached_key, cached_value, cache_index), '
+      'expected it in the variables or a mutable "cache" collection, got '
+      'neither. Create it with init() (or apply(..., mutable=["cache"]) on '
+      'full-length inputs), then apply each step with mutable=["cache"].')
 
 
 def _resolve_inputs(inputs_q, inputs_k, inputs_v, inputs_kv):
@@ -74,16 +72,22 @@ def _resolve_inputs(inputs_q, inputs_k, inputs_v, inputs_kv):
   if inputs_kv is not None:
     if inputs_k is not None or inputs_v is not None:
       raise ValueError(
-          'Pass either inputs_kv or inputs_k/inputs_v, not both: got '
-          f'inputs_k={_shape_or_none(inputs_k)}, '
-          f'inputs_v={_shape_or_none(inputs_v)} together with inputs_kv.')
+          'If either `inputs_k` or `inputs_v` is not None, `inputs_kv` must '
+          'be None. If `inputs_kv` is not None, both `inputs_k` and '
+          '`inputs_v` must be None. We recommend using `inputs_k` and '
+          '`inputs_v` args, since `inputs_kv` will be deprecated soon. See '
+          'https://github.com/google/flax/discussions/3389 for more '
+          'information. (Pass either inputs_kv or inputs_k/inputs_v, not '
+          f'both: got inputs_k={_shape_or_none(inputs_k)}, '
+          f'inputs_v={_shape_or_none(inputs_v)} together with inputs_kv.)')
     warnings.warn(_KV_DEPRECATION, DeprecationWarning)
     return inputs_kv, inputs_kv
   if inputs_k is None:
     if inputs_v is not None:
       raise ValueError(
-          'inputs_v was given without inputs_k; to use one array for both '
-          'keys and values pass it as inputs_k and leave inputs_v as None.')
+          '`inputs_k` cannot be None if `inputs_v` is not None. To have both '
+          '`inputs_k` and `inputs_v` be the same value, pass in the value to '
+          '`inputs_k` and leave `inputs_v` as None.')
     inputs_k = inputs_q
   if inputs_v is None:
     return inputs_k, inputs_k
@@ -262,7 +266,7 @@ class MultiHeadDotProductAttention(Module):
     """
     primed = self.has_variable('cache', 'cached_key')
     if not primed and not self.is_mutable_collection('cache'):
-      raise DecodeCacheMissingError(self._where())
+      raise _decode_cache_missing(self.scope.path_text)
     cached_key = self.variable('cache', 'cached_key', jnp.zeros, key.shape,
                                key.dtype)
     cached_value = self.variable('cache', 'cached_value', jnp.zeros,
@@ -275,9 +279,10 @@ class MultiHeadDotProductAttention(Module):
     expected = tuple(batch) + (1, heads, depth)
     if tuple(query.shape) != expected:
       raise AttentionConfigError(
-          f'{self._where()}: decode=True feeds one position per call, '
-          f'expected projected query shape {expected} (from the cache), got '
-          f'{tuple(query.shape)}.')
+          'Autoregressive cache shape error, expected query shape '
+          f'{expected} instead got {tuple(query.shape)}. ({self._where()}: '
+          'decode=True feeds one position per call; the expected shape '
+          'comes from the cache.)')
     position = cache_index.value
     zero = jnp.array(0, dtype=position.dtype)
     start = (zero,) * len(batch) + (position, zero, zero)

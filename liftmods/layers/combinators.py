@@ -37,15 +37,16 @@ class Sequential(Module):
   def __post_init__(self):
     if not isinstance(self.layers, Sequence):
       raise ValueError(
-          f"Sequential: 'layers' must be a sequence (list or tuple) of "
-          f"callables, got '{type(self.layers).__name__}'.")
+          f"'layers' must be a sequence, got '{type(self.layers).__name__}'. "
+          '(Sequential takes a list or tuple of callables.)')
     super().__post_init__()
 
   @compact
   def __call__(self, *args, **kwargs):
     if not self.layers:
-      raise ValueError(f'Sequential at {self.scope.path_text} has no layers; '
-                       'pass at least one callable.')
+      raise ValueError(f'Empty Sequential module {self.name}. (Sequential '
+                       f'at {self.scope.path_text} has no layers; pass at '
+                       'least one callable.)')
     outputs = self.layers[0](*args, **kwargs)
     for layer in self.layers[1:]:
       outputs = _feed(layer, outputs)

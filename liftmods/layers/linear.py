@@ -142,8 +142,9 @@ class DenseGeneral(Module):
     leading = set(range(int(np.max(batch_dims)) + 1)) if batch_dims else set()
     if set(batch_dims) != leading:
       raise ValueError(
-          f'{_where(self)}: batch_dims {batch_dims} must be the leading '
-          'input axes 0, 1, ..., n-1 (consecutive, starting from 0).')
+          f'batch_dims {batch_dims} must be consecutive leading dimensions '
+          f'starting from 0. ({_where(self)}: batch_dims are the leading '
+          'input axes 0, 1, ..., n-1.)')
     axis = _as_tuple(self.axis)
     for ax in axis + batch_dims:
       if not -ndim <= ax < ndim:
@@ -313,12 +314,15 @@ class Einsum(Module):
     einsum_str = merge_param('einsum_str', self.einsum_str, einsum_str)
     einsum_str = einsum_str.replace(' ', '')
     if '->' not in einsum_str:
-      raise ValueError(f'{_where(self)}: einsum_str "{einsum_str}" must be '
-                       'explicit, with "->" before the output subscripts.')
+      raise ValueError('`einsum_str` equation must be explicit and include '
+                       f'"->". ({_where(self)}: got "{einsum_str}"; write '
+                       'the output subscripts after "->".)')
     if einsum_str.count(',') != 1:
       raise ValueError(
-          f'{_where(self)}: einsum_str "{einsum_str}" must have exactly two '
-          f'operands (one comma), found {einsum_str.count(",")} commas.')
+          '`einsum_str` equation must have exactly two operands and '
+          'therefore, exactly one comma character, instead of '
+          f'{einsum_str.count(",")} ({_where(self)}: got "{einsum_str}"; the '
+          'operands are the input and the kernel.)')
     return einsum_str
 
   @compact
@@ -370,8 +374,8 @@ def canonicalize_padding(padding: PaddingLike, rank: int):
     if all(isinstance(p, tuple) and len(p) == 2 for p in pairs):
       return pairs
   raise ValueError(
-      f'Invalid padding {padding!r}: expected a string, an int, or a sequence '
-      f'of {rank} entries, each an int or a (low, high) tuple of ints.')
+      f'Invalid padding format: {padding}, should be str, int, or a sequence '
+      f'of len {rank} where each element is an int or pair of ints.')
 
 
 def _conv_dimension_numbers(input_shape):
@@ -433,7 +437,7 @@ def _padding(module, rank: int):
   try:
     return canonicalize_padding(module.padding, rank)
   except ValueError as e:
-    raise ValueError(f'{_where(module)}: {e}') from None
+    raise ValueError(f'{e} ({_where(module)})') from None
 
 
 def _pad_inputs(module, inputs, padding, kernel_size, kernel_dilation):
@@ -446,8 +450,9 @@ def _pad_inputs(module, inputs, padding, kernel_size, kernel_dilation):
     return jnp.pad(inputs, pads, mode=mode), 'VALID'
   if padding == 'CAUSAL':
     if len(kernel_size) != 1:
-      raise ValueError(f'{_where(module)}: CAUSAL padding needs a 1-D '
-                       f'convolution, got kernel_size {kernel_size}.')
+      raise ValueError('Causal padding is only implemented for 1D '
+                       f'convolutions. ({_where(module)}: got kernel_size '
+                       f'{kernel_size}.)')
     left = kernel_dilation[0] * (kernel_size[0] - 1)
     return jnp.pad(inputs, [(0, 0), (left, 0), (0, 0)]), 'VALID'
   return inputs, padding
@@ -456,8 +461,8 @@ def _pad_inputs(module, inputs, padding, kernel_size, kernel_dilation):
 def _check_mask(module, kernel_shape):
   mask = module.mask
   if mask is not None and mask.shape != kernel_shape:
-    raise ValueError(f'{_where(module)}: mask shape {mask.shape} must equal '
-                     f'the kernel shape {kernel_shape}.')
+    raise ValueError('Mask needs to have the same shape as weights. Shapes '
+                     f'are: {mask.shape}, {kernel_shape} ({_where(module)})')
 
 
 class _Conv(Module):
@@ -738,8 +743,9 @@ class Embed(Module):
     dtype = getattr(inputs, 'dtype', None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
       raise ValueError(
-          f'{_where(self)}: inputs must be an array of (signed or unsigned) '
-          f'integers, got {dtype if dtype is not None else type(inputs)}.')
+          'Input type must be an integer or unsigned integer. '
+          f'({_where(self)}: got '
+          f'{dtype if dtype is not None else type(inputs)}.)')
     (embedding,) = self.promote_dtype(self.embedding, dtype=self.dtype,
                                       inexact=False)
     if self.num_embeddings == 1:

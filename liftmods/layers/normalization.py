@@ -223,9 +223,9 @@ class BatchNorm(Module):
                          call_value)
     except ValueError as e:
       raise ValueError(
-          f'{_where(self)}: {e} Use True to normalize with the stored '
+          f'{e} ({_where(self)}: use True to normalize with the stored '
           'batch_stats (evaluation), False to use and update the batch '
-          'statistics (training).') from None
+          'statistics (training).)') from None
 
   def _stats_dtype(self):
     return jnp.float32 if self.force_float32_reductions else self.param_dtype
@@ -395,31 +395,34 @@ class GroupNorm(Module):
     axes = _canonicalize_axes(ndim, axes)
     if axes[-1] != ndim - 1:
       raise ValueError(
-          f'{_where(self)}: reduction_axes must include the last axis (the '
-          f'channel axis, {ndim - 1} for inputs of rank {ndim}); got '
-          f'{self.reduction_axes!r}.')
+          'The reduction axes must include the final dimension as this is '
+          f'assumed to be the feature axis. ({_where(self)}: expected axis '
+          f'{ndim - 1} for inputs of rank {ndim}, got '
+          f'{self.reduction_axes!r}.)')
     return axes
 
   def _num_groups(self, channels):
     if (self.num_groups is None) == (self.group_size is None):
       raise ValueError(
-          f'{_where(self)}: give exactly one of num_groups and group_size '
-          f'(got num_groups={self.num_groups!r}, group_size='
-          f'{self.group_size!r}); to use group_size, also pass '
-          'num_groups=None, overriding the default of 32.')
+          'Either `num_groups` or `group_size` should be specified. If '
+          '`group_size` is to be specified, pass `num_groups=None` as '
+          'argument to override the default `num_groups` value of 32. '
+          f'({_where(self)}: got num_groups={self.num_groups!r}, '
+          f'group_size={self.group_size!r}.)')
     if self.group_size is not None:
       if channels % self.group_size != 0:
         raise ValueError(
-            f'{_where(self)}: the number of channels ({channels}) is not a '
-            f'multiple of group_size ({self.group_size}).')
+            f'Number of channels ({channels}) is not multiple of the group '
+            f'size ({self.group_size}). ({_where(self)})')
       return channels // self.group_size
     if not isinstance(self.num_groups, int):
       raise TypeError(f'{_where(self)}: num_groups must be an int, got '
                       f'{self.num_groups!r}.')
     if self.num_groups <= 0 or channels % self.num_groups != 0:
       raise ValueError(
-          f'{_where(self)}: num_groups ({self.num_groups}) must be positive '
-          f'and divide the number of channels ({channels}).')
+          f'Number of groups ({self.num_groups}) does not divide the number '
+          f'of channels ({channels}). ({_where(self)}: num_groups must be a '
+          'positive divisor of the channels.)')
     return self.num_groups
 
 
@@ -454,8 +457,9 @@ class InstanceNorm(Module):
     feature_axes = _canonicalize_axes(x.ndim, self.feature_axes)
     if 0 in feature_axes:
       raise ValueError(
-          f'{_where(self)}: feature_axes may not include axis 0, the batch '
-          f'axis; got {self.feature_axes!r} for inputs of rank {x.ndim}.')
+          'The channel axes cannot include the leading dimension as this is '
+          f'assumed to be the batch axis. ({_where(self)}: got feature_axes='
+          f'{self.feature_axes!r} for inputs of rank {x.ndim}.)')
     reduction_axes = [i for i in range(1, x.ndim) if i not in feature_axes]
     mean, var = _compute_stats(
         x, reduction_axes, self.dtype, self.axis_name, self.axis_index_groups,

@@ -26,16 +26,6 @@ from liftmods.module import Module, compact, merge_param
 PRNGKey = Any
 
 
-class DropoutRngError(errors.InvalidRngError):
-  """A non-deterministic Dropout finds no rng for its mask."""
-
-  def __init__(self, rng_name, path):
-    super().__init__(rng_name, path)
-    self.args = (self.args[0] + ' Dropout draws its mask from it; pass '
-                 'deterministic=True to turn dropout off instead, or rng= '
-                 'to the call.',)
-
-
 class Dropout(Module):
   """Zeroes each entry with probability ``rate`` and scales the rest by
   ``1 / (1 - rate)``; the identity when ``deterministic``.
@@ -82,13 +72,15 @@ class Dropout(Module):
       return merge_param('deterministic', self.deterministic, call_value)
     except ValueError as e:
       raise ValueError(
-          f'Dropout at {self.scope.path_text}: {e} Use True to return the '
+          f'{e} (Dropout at {self.scope.path_text}: use True to return the '
           'inputs unchanged (evaluation), False to apply a random mask '
-          '(training).') from None
+          '(training).)') from None
 
   def _make_rng(self):
-    try:
+    scope = self.scope
+    if scope.has_rng(self.rng_collection) or scope.has_rng('params'):
       return self.make_rng(self.rng_collection)
-    except errors.InvalidRngError:
-      raise DropoutRngError(self.rng_collection,
-                            self.scope.path_text) from None
+    raise errors.missing_rng(
+        self.rng_collection, scope.name, scope.path_text,
+        ' Dropout draws its mask from it; pass deterministic=True to turn '
+        'dropout off instead, or rng= to the call.')
