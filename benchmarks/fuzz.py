@@ -26,6 +26,7 @@ flags.DEFINE_list('disable', [], 'generator features to turn off '
                   f'(of {sorted(programs.FEATURES)})')
 flags.DEFINE_list('enable', [], 'generator features to turn on')
 flags.DEFINE_bool('show', False, 'print every program and its verdict')
+flags.DEFINE_integer('progress', 25, 'print running counts every N programs')
 F = flags.FLAGS
 
 
@@ -44,6 +45,10 @@ def main(argv):
       raised[detail] += 1
     if verdict == 'mismatch':
       mismatches.append((seed, detail.splitlines()[0]))
+    done = seed - F.seed + 1
+    if F.progress and done % F.progress == 0:
+      print(f'[{done}/{F.programs}] {dict(counts)} '
+            f'{time.perf_counter() - start:.0f}s', flush=True)
     if F.show or verdict == 'mismatch':
       print(f'--- seed {seed}: {verdict} {detail}\n{case}\n{case.src}',
             flush=True)
