@@ -3,7 +3,7 @@ behave the same under flax.linen and liftmods (``fuzz/compare.py``): same
 variable trees, init bit for bit for two seeds, same outputs, mutated
 collections and gradients, and the same error class where Linen raises.
 
-About 200 programs, in four shards so that xdist can spread them. Each shard
+100 programs, in four shards so that xdist can spread them. Each shard
 has a fixed hypothesis seed and no example database, so CI sees the same
 programs every run; the soak binary (``python -m benchmarks.fuzz``) runs
 thousands more. A failing example prints the program's source, which runs
@@ -17,7 +17,7 @@ import pytest
 import liftmods as lnn
 from fuzz import compare, programs
 
-PROGRAMS_PER_SHARD = 50
+PROGRAMS_PER_SHARD = 25
 MAX_DEPTH = 3  # the soak goes to 4; CI stays cheaper
 
 _SETTINGS = settings(max_examples=PROGRAMS_PER_SHARD, deadline=None,

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 
 F = 4  # the feature size of every activation
+MAX_LOOPS = 1  # scan/remat_scan/while_loop nesting: deeper nests compile
+               # for minutes in XLA, which the comparison does not need
 INPUT_SHAPE = (2, 3, F)
 
 # Generator features, all on by default. A feature that another branch is
@@ -121,6 +123,7 @@ class Generator:
     self.max_depth = max_depth
     self.classes = []
     self._count = 0
+    self._loops = 0  # loop transforms around the node being written
 
   def _on(self, feature):
     return self.features.get(feature, False)
@@ -322,11 +325,17 @@ class Generator:
              ('switch', 1), ('while_loop', 2)]
     if rank >= 2:
       kinds += [('vmap', 3), ('scan', 3)]
-    kinds = [(k, w) for k, w in kinds if self._on(k)]
+    loops = ('scan', 'remat_scan', 'while_loop')
+    kinds = [(k, w) for k, w in kinds if self._on(k)
+             and (k not in loops or self._loops < MAX_LOOPS)]
     if not kinds:
       return self._op_activation(rank, style)
     kind = self.c.weighted(kinds)
-    return getattr(self, f'_child_{kind}')(depth, rank, pure, style)
+    self._loops += kind in loops
+    try:
+      return getattr(self, f'_child_{kind}')(depth, rank, pure, style)
+    finally:
+      self._loops -= kind in loops
 
   def _calls(self):
     """How often a submodule is called: the repeats share its variables."""
@@ -413,7 +422,7 @@ class Generator:
     axes, broadcast, carry = self._axes(info.cols, allow_carry=True)
     split = self._split(info.rngs)
     reverse = self.c.choice(['False', 'True'])
-    unroll = self.c.choice(['1', '2'])
+    unroll = self.c.choice(['1', '1', '2'])
     cell = self._fresh('Cell')
     self.classes.append('\n'.join([
         f'class {cell}(nn.Module):', '  train: bool = False', '',
