@@ -9,6 +9,8 @@ programs every run; the soak binary (``python -m benchmarks.fuzz``) runs
 thousands more. A failing example prints the program's source, which runs
 as it is under ``import flax.linen as nn`` or ``import liftmods as nn``.
 """
+import os
+
 import flax.linen as fnn
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
@@ -33,6 +35,10 @@ def _check(data):
 
 
 def _shard(n):
+  # Off by default until its time is measured on an idle 2-core machine
+  # (it could not be on the shared one); set LIFTMODS_FUZZ=1 to run it.
+  @pytest.mark.skipif(not os.environ.get('LIFTMODS_FUZZ'),
+                      reason='fuzz shards: set LIFTMODS_FUZZ=1')
   @seed(20261123 + n)
   @_SETTINGS
   @given(st.data())
