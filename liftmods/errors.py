@@ -16,8 +16,27 @@ True
 """
 
 
+DOCS = 'docs/errors.md'
+
+
 class LiftmodsError(Exception):
-  """Base class of every error liftmods raises on purpose."""
+  """Base class of every error liftmods raises on purpose.
+
+  The message ends with a pointer to the error's entry in the catalogue,
+  ``docs/errors.md``: the mistake, a program that makes it, and the fix.
+  """
+
+  def __str__(self):
+    return f'{super().__str__()} (see {DOCS}#{_entry(type(self))})'
+
+
+def _entry(cls) -> str:
+  """The catalogue anchor of ``cls``: its own, or that of the nearest base
+  defined here (for error classes that other modules derive)."""
+  for base in cls.__mro__:
+    if base.__module__ == __name__:
+      return base.__name__.lower()
+  return 'liftmodserror'
 
 
 FlaxError = LiftmodsError  # Linen's name for the base class.
@@ -361,7 +380,7 @@ class LiftError(LiftmodsError, ValueError):
   """A lifted transform is used inconsistently (axes, carries, branches)."""
 
 
-class ScanCarryError(LiftError):
+class ScanCarryError(LiftError, TypeError):
   """A scan body returns a carry whose structure or shape changes."""
 
 
@@ -369,7 +388,7 @@ class BroadcastVariableError(LiftError):
   """A broadcast variable would depend on the loop iteration."""
 
 
-class CondBranchVariablesError(LiftError):
+class CondBranchVariablesError(LiftError, TypeError):
   """Branches of cond/switch create different variables."""
 
 

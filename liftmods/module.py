@@ -972,7 +972,7 @@ class Module:
     if self.scope is None:
       raise errors.CallUnbindOnUnboundModuleError(type(self).__name__)
     module = self.clone(_deep_clone=True, _reset_names=True, name=None)
-    return module, self.variables
+    return module, _copy_dicts(self.variables)
 
   def tabulate(self, rngs, *args, **kwargs):
     """A table of submodules, shapes and parameter counts; see
@@ -986,6 +986,14 @@ class Module:
 _CONTAINERS = (Module, list, tuple, dict, FrozenDict)
 _NO_VARIABLES = "Can't access variables on unbound modules"
 _NO_STORE = "Can't store variables on unbound modules"
+
+
+def _copy_dicts(tree):
+  """New dicts all the way down (leaves shared), so that a returned tree
+  aliases none of the containers the caller passed in or the module holds."""
+  if isinstance(tree, dict):
+    return {k: _copy_dicts(v) for k, v in tree.items()}
+  return tree
 
 
 def _tabulate_option_names():
