@@ -24,10 +24,14 @@ class LiftmodsError(Exception):
 
   The message ends with a pointer to the error's entry in the catalogue,
   ``docs/errors.md``: the mistake, a program that makes it, and the fix.
+  Error families documented in their own guide set ``docs_link``.
   """
 
+  docs_link = None
+
   def __str__(self):
-    return f'{super().__str__()} (see {DOCS}#{_entry(type(self))})'
+    link = self.docs_link or f'{DOCS}#{_entry(type(self))}'
+    return f'{super().__str__()} (see {link})'
 
 
 def _entry(cls) -> str:

@@ -15,11 +15,9 @@ P('data', None, 'model')
 ...   logical_to_mesh_axes(('embed', None))
 P('data', None)
 """
-import contextlib
 import dataclasses
 import enum
 import functools
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,32 +38,9 @@ LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 # -- the rules context ---------------------------------------------------------
 
 
-class _Rules(threading.local):
-  rules: tuple = ()
-
-
-_state = _Rules()
-
-
-def set_logical_axis_rules(rules):
-  """Sets this thread's logical-to-mesh axis rules."""
-  _state.rules = rules
-
-
-def get_logical_axis_rules():
-  """This thread's logical-to-mesh axis rules (``()`` when none are set)."""
-  return _state.rules
-
-
-@contextlib.contextmanager
-def logical_axis_rules(rules):
-  """Uses ``rules`` inside the ``with`` block, restoring the old ones after."""
-  old = _state.rules
-  _state.rules = rules
-  try:
-    yield
-  finally:
-    _state.rules = old
+from liftmods.core.spmd import (get_logical_axis_rules,  # pylint: disable=g-multiple-import
+                                 logical_axis_rules,
+                                 set_logical_axis_rules)
 
 
 # -- logical names to mesh axes ------------------------------------------------

@@ -12,6 +12,7 @@ MODULES = [
     'liftmods.core.frozen_dict',
     'liftmods.core.meta',
     'liftmods.core.partial_eval',
+    'liftmods.core.spmd',
     'liftmods.errors',
     'liftmods.spmd',
     'liftmods.partitioning',

@@ -79,9 +79,7 @@ EXCLUDED = {
                   'matches',
 }
 
-PENDING_OTHER_BRANCH = {
-    'core.spmd': 'branch h/spmd (flax.core.spmd: the rule helpers)',
-}
+PENDING_OTHER_BRANCH = {}
 
 # -- the walk ------------------------------------------------------------------
 

@@ -610,3 +610,16 @@ def test_user_axis_metadata_through_scan_matches_linen():
   same_tree(nn.unbox(ours), fnn.unbox(theirs))
   np.testing.assert_array_equal(model(nn).apply(ours, x),
                                 model(fnn).apply(theirs, x))
+
+
+def test_core_spmd_composite_and_from_sharding_rules_match_flax():
+  from flax.core import spmd as theirs
+  from liftmods.core import spmd as ours
+  a, b = (('embed', 'data'),), (('mlp', 'model'), ('embed', 'data'))
+  assert ours.composite_rules(a, b) == theirs.composite_rules(a, b)
+  assert ours.composite_rules((), b) == theirs.composite_rules((), b)
+  with pytest.raises(ValueError, match='Inconsistent logical axis'):
+    ours.composite_rules(a, (('embed', 'model'),))
+  names = ('embed', None, 'other')
+  assert ours.from_sharding_rules(names, b) == theirs.from_sharding_rules(
+      names, b)

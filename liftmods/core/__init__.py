@@ -16,7 +16,7 @@ import jax as _jax
 from liftmods.core.filters import DenyList, in_filter
 from liftmods.core.frozen_dict import (FrozenDict, copy, freeze, pop,
                                        pretty_repr, unfreeze)
-from liftmods.core import meta
+from liftmods.core import meta, spmd
 from liftmods.core.rngs import LazyKey
 from liftmods.core.scope import (Scope, Variable, apply, bind, init,
                                  lazy_init)

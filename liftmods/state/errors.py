@@ -10,7 +10,7 @@ Paths in messages are ``'/'``-joined, with ``'/'`` for the root.
 ...                              'encoder/kernel', (3, 5), 'float32')
 >>> print(err)  # doctest: +NORMALIZE_WHITESPACE
 Cannot graft backbone/kernel (shape (3, 4), float32) onto encoder/kernel
-(shape (3, 5), float32): shapes differ.
+(shape (3, 5), float32): shapes differ. (see docs/state.md#errors)
 """
 from liftmods.errors import LiftmodsError
 
@@ -24,6 +24,8 @@ def show(path) -> str:
 
 class StateError(LiftmodsError):
   """Base class of the errors of ``liftmods.state``."""
+
+  docs_link = 'docs/state.md#errors'
 
 
 class NotATreeError(StateError, TypeError):
