@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from liftmods import errors
 from liftmods.core import meta
+from liftmods.summary import _split  # array leaves apart from static ones
 from liftmods.spmd import (LogicallyPartitioned, RulesFallback, _UNASSIGNED,
                            _assign, get_logical_axis_rules, logical_axis_rules)
 
@@ -166,22 +167,3 @@ def _strip(tree):
              if isinstance(box, meta.Partitioned) else box.unbox())
     return _strip(inner)
   return meta.map_axis_meta(one, tree)
-
-
-def _is_dynamic(x) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
-
-
-def _split(tree):
-  """``(arrays, rebuild)``: the array leaves of ``tree`` and a function that
-  puts new ones back; other leaves stay static Python values."""
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  where = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
-
-  def rebuild(arrays):
-    new = list(leaves)
-    for i, x in zip(where, arrays):
-      new[i] = x
-    return treedef.unflatten(new)
-
-  return [leaves[i] for i in where], rebuild
