@@ -688,24 +688,7 @@ def jit(target, variables=True, rngs=True, static_argnums=(),
   kwargs = dict(variables=variables, rngs=rngs, static_argnums=static_argnums,
                 static_argnames=static_argnames,
                 donate_argnums=donate_argnums, device=device, backend=backend)
-  if _is_module_class(target):
-    partial = None
-    if isinstance(target, functools.partial):
-      partial, target = target, target.func
-    lifted = {}
-    for fn_name, (_, t_kwargs) in _method_args(methods, (), kwargs).items():
-      fn = getattr(target, fn_name)
-      lifted[fn_name] = functools.wraps(fn)(
-          _jit_lift(fn, fn_name, target, t_kwargs))
-    new_cls = type('Jit' + target.__name__, (target,), lifted)
-    if partial is not None:
-      return functools.partial(new_cls, *partial.args, **partial.keywords)
-    return new_cls
-  if callable(target) and not isinstance(target, Module):
-    fn = _wrap_method(target)
-    fn_name = getattr(target, '__name__', 'fn')
-    return functools.wraps(fn)(_jit_lift(fn, fn_name, None, kwargs))
-  raise errors.TransformTargetError(target)
+  return _jit_like(target, methods, kwargs, 'Jit', lift.jit)
 
 
 def fold_rngs(target, variables=True, rngs=True):
@@ -720,17 +703,23 @@ def fold_rngs(target, variables=True, rngs=True):
   >>> bool((variables['params']['kernel'] == jit_variables['params']['kernel']).all())
   True
   """
-  kwargs = dict(variables=variables, rngs=rngs)
+  return _jit_like(target, None, dict(variables=variables, rngs=rngs),
+                   'Fold_rngs', lift.fold_rngs)
+
+
+def _jit_like(target, methods, kwargs, prefix, transform):
+  """Lifts a module class (its ``methods``) or a function of a module with
+  ``_jit_lift`` over ``transform``."""
   if _is_module_class(target):
     partial = None
     if isinstance(target, functools.partial):
       partial, target = target, target.func
     lifted = {}
-    for fn_name, (_, t_kwargs) in _method_args(None, (), kwargs).items():
+    for fn_name, (_, t_kwargs) in _method_args(methods, (), kwargs).items():
       fn = getattr(target, fn_name)
       lifted[fn_name] = functools.wraps(fn)(
-          _jit_lift(fn, fn_name, target, t_kwargs, lift.fold_rngs))
-    new_cls = type('Fold_rngs' + target.__name__, (target,), lifted)
+          _jit_lift(fn, fn_name, target, t_kwargs, transform))
+    new_cls = type(prefix + target.__name__, (target,), lifted)
     if partial is not None:
       return functools.partial(new_cls, *partial.args, **partial.keywords)
     return new_cls
@@ -738,5 +727,5 @@ def fold_rngs(target, variables=True, rngs=True):
     fn = _wrap_method(target)
     fn_name = getattr(target, '__name__', 'fn')
     return functools.wraps(fn)(_jit_lift(fn, fn_name, None, kwargs,
-                                         lift.fold_rngs))
+                                         transform))
   raise errors.TransformTargetError(target)
