@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from treecheck import assert_identical, plain
 
 import liftmods.core as lcore
 import liftmods.core.nn as lcnn
@@ -16,23 +17,6 @@ import liftmods.core.nn as lcnn
 
 def rand(seed, shape):
   return jax.random.normal(jax.random.key(seed), shape)
-
-
-def plain(tree):
-  if hasattr(tree, 'items'):
-    return {k: plain(v) for k, v in tree.items()}
-  if hasattr(tree, 'table'):  # Embedding
-    return {'table': np.asarray(tree.table)}
-  return jax.tree_util.tree_map(np.asarray, tree)
-
-
-def assert_identical(expected, actual):
-  e = jax.tree_util.tree_flatten_with_path(plain(expected))[0]
-  a = jax.tree_util.tree_flatten_with_path(plain(actual))[0]
-  assert [p for p, _ in e] == [p for p, _ in a]
-  for (path, x), (_, y) in zip(e, a):
-    assert x.dtype == y.dtype and x.shape == y.shape, path
-    np.testing.assert_array_equal(x, y, err_msg=str(path))
 
 
 def both(name, *args, rngs=None, mutable=False, **kwargs):

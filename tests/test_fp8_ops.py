@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from treecheck import assert_identical, plain
 from flax.linen import fp8_ops as ffp8
 
 import liftmods as lnn
@@ -20,21 +21,6 @@ DIMS = (((1,), (0,)), ((), ()))
 
 def rand(seed, shape, scale=1.0):
   return scale * jax.random.normal(jax.random.key(seed), shape)
-
-
-def plain(tree):
-  if hasattr(tree, 'items'):
-    return {k: plain(v) for k, v in tree.items()}
-  return jax.tree_util.tree_map(np.asarray, tree)
-
-
-def assert_identical(expected, actual):
-  e = jax.tree_util.tree_flatten_with_path(plain(expected))[0]
-  a = jax.tree_util.tree_flatten_with_path(plain(actual))[0]
-  assert [p for p, _ in e] == [p for p, _ in a]
-  for (path, x), (_, y) in zip(e, a):
-    assert x.dtype == y.dtype and x.shape == y.shape, path
-    np.testing.assert_array_equal(x, y, err_msg=str(path))
 
 
 def train_steps(model, variables, args, steps=3):
