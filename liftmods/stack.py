@@ -263,12 +263,13 @@ def _take(tree, start, stop=None):
 
 
 def _stack_transform(layer_fn, *, length, policy, mode, unroll,
-                     metadata_params, path):
+                     metadata_params, path, site):
   """A core transform running ``layer_fn(scope, c, per_layer) -> (c, ys)``
   over ``length`` layers. Every collection is stacked on axis 0 and every
   rng sequence is split per layer, as in ``scan(variable_axes={True: 0},
   split_rngs={True: True})``; the keys and rng counters each layer sees are
-  those of that scan, whatever the mode and policy."""
+  those of that scan, whatever the mode and policy. ``site`` (hashable)
+  identifies the stack for replaying rng counters on a repeated trace."""
   group = policy.groups(length) if policy is not None else None
   offload = False
   if policy is not None and policy.offloaded_names():
@@ -281,6 +282,7 @@ def _stack_transform(layer_fn, *, length, policy, mode, unroll,
           'everything in device memory); keeping these values in device '
           'memory instead.', StackOffloadWarning, stacklevel=4)
   in_loop = mode == 'scan'
+  jax_policy = policy.jax_policy(offload) if policy is not None else None
 
   def inner(scope_fn, repack_fn, variable_groups, rng_groups, c, per_layer):
     scopes = lift._outer_scopes(scope_fn)  # pylint: disable=protected-access
@@ -288,30 +290,26 @@ def _stack_transform(layer_fn, *, length, policy, mode, unroll,
     lift._check_variable_axes('Stack', scopes, (stacked,), (0,), length,  # pylint: disable=protected-access
                               'length')
     keys = lift._split_keys(rng_groups[0], length)  # pylint: disable=protected-access
+    xs = (stacked, keys, per_layer)
+    verify = []  # while replaying: checks the counters after a layer trace
 
     def layer(c, sliced):
       variables, layer_keys, xs = sliced
       inner_scopes = scope_fn((variables,), (layer_keys,))
       c, ys = layer_fn(inner_scopes, c, xs)
+      for check in verify:
+        check()
       return c, (ys, repack_fn(inner_scopes)[0])
 
     if policy is not None:
       cse = policy.prevent_cse
-      layer_ck = jax.checkpoint(
-          layer, policy=policy.jax_policy(offload),
-          prevent_cse=(not in_loop) if cse is None else cse)
+      layer_ck = jax.checkpoint(layer, policy=jax_policy,
+                                prevent_cse=(not in_loop) if cse is None else cse)
     else:
       layer_ck = layer
 
-    xs = (stacked, keys, per_layer)
-    # A lifted scan traces its body once outside the loop when rngs cross
-    # it, and the loop body sees the counters that trace left; replay that.
-    if lift._has_rngs(rng_groups):  # pylint: disable=protected-access
-      jax.eval_shape(layer, c, _take(xs, 0))
-    ready = _counters(scopes)
-
-    def run(c, sliced, n):
-      """``n`` layers, looped or unrolled."""
+    def run(c, sliced, n, ready):
+      """``n`` layers, looped or unrolled, each traced from ``ready``."""
       if in_loop:
         _set_counters(scopes, ready)
         return lax.scan(layer_ck, c, sliced, length=n, unroll=unroll)
@@ -322,15 +320,51 @@ def _stack_transform(layer_fn, *, length, policy, mode, unroll,
         outs.append(out)
       return c, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
 
-    if group is None or group >= length:  # one group: nothing to nest
-      c, outs = run(c, xs, length)
-    else:
-      c, outs = _nested(run, c, xs, length, group, policy, offload, in_loop)
-    ys, var_out = outs
+    def all_layers(ready):
+      step = lambda c, sliced, n: run(c, sliced, n, ready)
+      if group is None or group >= length:  # one group: nothing to nest
+        return step(c, xs, length)
+      return _nested(step, c, xs, length, group, policy, offload, in_loop)
+
+    c, (ys, var_out) = _replaying_rngs(scopes, rng_groups, site, layer, c, xs,
+                                       all_layers, verify)
     var_out = meta.add_axis(var_out, 0, metadata_params)
     return (c, ys), (var_out,)
 
   return lift.pack(inner, (True,), (True,), (True,), name='Stack')
+
+
+def _replaying_rngs(scopes, rng_groups, site, layer, c, xs, all_layers,
+                    verify):
+  """``all_layers(ready_counters) -> (c, outs)`` with Linen's rng counters.
+
+  A lifted scan traces its body once outside the loop when rngs cross it,
+  and the loop body sees the counters that trace left. The first time a
+  site is traced this does the same (one abstract trace of ``layer``) and
+  records the counters; a repeated trace at the same site and counter state
+  jumps to the recorded counters and traces the layers once, checking
+  after each layer trace that the counters moved as recorded (else it
+  starts over the first way).
+  """
+  if not lift._has_rngs(rng_groups):  # pylint: disable=protected-access
+    return all_layers(_counters(scopes))
+  replay = lift._RngReplay(scopes, (  # pylint: disable=protected-access
+      site, tuple(s.path for s in scopes),
+      lift._hashable_flags(scopes[0].flags),  # pylint: disable=protected-access
+      jax.tree_util.tree_structure((c, xs))))
+  if replay.hit is not None:
+    verify.append(replay.verify)
+    try:
+      return all_layers(replay.hit[0])
+    except lift._ReplayMismatch:  # pylint: disable=protected-access
+      replay.set(replay.before)
+    finally:
+      verify.clear()
+  jax.eval_shape(layer, c, _take(xs, 0))
+  ready = replay.state()
+  out = all_layers(ready)
+  replay.record(ready, replay.state())
+  return out
 
 
 def _nested(run, c, xs, length, group, policy, offload, in_loop):
@@ -458,7 +492,9 @@ def _run(self, block, config, fold, x, args, kwargs):
     return _stack_transform(layer_fn, length=length, policy=policy, mode=mode,
                             unroll=config['unroll'],
                             metadata_params=config['metadata_params'],
-                            path=path)
+                            path=path,
+                            site=(block, fold, axes, length, policy, mode,
+                                  config['unroll']))
 
   c, ys = _call_lifted(self, transform, (call_block,), ('__call__',), (), {},
                        (x, per_layer), {}, cls=block)
@@ -501,8 +537,9 @@ def Stack(block, length: int, *, policy=None, mode: str = 'scan',  # pylint: dis
   if mode not in ('scan', 'unrolled'):
     raise ValueError(f"Stack: mode must be 'scan' or 'unrolled'; got "
                      f'{mode!r}.')
+  policy = StackPolicy.of(policy)
   config = dict(
-      length=length, policy=StackPolicy.of(policy), mode=mode,
+      length=length, policy=policy, mode=mode,
       in_axes=in_axes, unroll=unroll,
       metadata_params=({meta.PARTITION_NAME: 'layers'}
                        if metadata_params is None else dict(metadata_params)))

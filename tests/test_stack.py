@@ -15,6 +15,7 @@ import pytest
 import liftmods as lnn
 from liftmods import errors
 from liftmods import stack as stack_lib
+from liftmods.core import lift as lift_core
 from liftmods.stack import StackOffloadWarning
 
 
@@ -410,3 +411,45 @@ def test_offload_on_cpu_warns_and_keeps_gradients():
 def test_docstring_examples():
   result = doctest.testmod(stack_lib, optionflags=doctest.ELLIPSIS)
   assert result.attempted > 0 and result.failed == 0
+
+
+class _CountingBlock(lnn.Module):
+  """Draws ``DRAWS[0]`` dropout keys per layer (module-global, so a test can
+  change what a repeated trace does); counts its traces in ``CALLS``."""
+
+  @lnn.compact
+  def __call__(self, x):
+    CALLS[0] += 1
+    for _ in range(DRAWS[0]):
+      x = x + jax.random.uniform(self.make_rng('dropout'), x.shape)
+    return x + lnn.Dense(x.shape[-1])(x)
+
+
+CALLS, DRAWS = [0], [1]
+
+
+def _counting_apply(draws):
+  """A fresh jit trace of a stack apply with ``draws`` keys per layer;
+  returns (output, block traces)."""
+  DRAWS[0], CALLS[0] = draws, 0
+  model = lnn.Stack(_CountingBlock, length=3, policy='full')(name='blocks')
+  variables = model.init({'params': KEY, 'dropout': KEY}, X)
+  CALLS[0] = 0
+  y = jax.jit(lambda v: model.apply(v, X, rngs=RNGS))(variables)
+  return y, CALLS[0]
+
+
+def test_repeated_trace_traces_each_layer_once_with_the_same_keys():
+  lift_core._RngReplay._cache.clear()  # pylint: disable=protected-access
+  first, calls_first = _counting_apply(1)
+  again, calls_again = _counting_apply(1)
+  assert (calls_first, calls_again) == (2, 1)  # abstract + loop, then loop
+  np.testing.assert_array_equal(first, again)
+  # The block now draws differently: the recorded counters no longer fit,
+  # so the trace starts over and gives what a fresh trace gives.
+  changed, calls_changed = _counting_apply(2)
+  lift_core._RngReplay._cache.clear()  # pylint: disable=protected-access
+  fresh, _ = _counting_apply(2)
+  assert calls_changed >= 2
+  np.testing.assert_array_equal(changed, fresh)
+  assert not np.array_equal(changed, first)
