@@ -23,7 +23,7 @@ Models:
            one-line change — and the demo's own train step;
   resnet   a small ResNet with BatchNorm (running statistics updated in the
            step) on 32x32 images;
-  seq2seq  an LSTM encoder-decoder (``nn.scan`` over ``OptimizedLSTMCell``)
+  seq2seq  an LSTM encoder-decoder (``nn.RNN`` over ``OptimizedLSTMCell``)
            learning to reverse sequences.
 
   python -m benchmarks.models --model=lm,resnet,seq2seq \
@@ -83,7 +83,7 @@ def lm(nn):
   cfg = train.TrainConfig(model=module.Config())
   model = module.TransformerLM(cfg.model)
   optimizer = train.make_optimizer(cfg)
-  state = train.init_state(model, optimizer, seed=0)
+  state, _ = train.init_state(model, optimizer, seed=0, unbox=nn.unbox)
   rng = np.random.default_rng(0)
   batch = jnp.asarray(rng.integers(0, 256, (cfg.batch_size, cfg.seq_len + 1)),
                       jnp.int32)
@@ -159,20 +159,16 @@ def resnet(nn, stages=(2, 2, 2), width=16, classes=10, batch_size=32):
 
 def seq2seq(nn, vocab=32, features=128, length=24, batch_size=32):
 
-  def rnn(name):
-    """A recurrent layer over axis 1: the one place to swap for ``nn.RNN``."""
-    return nn.scan(nn.OptimizedLSTMCell, variable_broadcast='params',
-                   split_rngs={'params': False}, in_axes=1, out_axes=1)(
-                       features, name=name)
-
   class Seq2seq(nn.Module):
 
     @nn.compact
     def __call__(self, source, target_in):
       embed = nn.Embed(vocab, features, name='embed')
-      zeros = jnp.zeros((source.shape[0], features))
-      carry, _ = rnn('encoder')((zeros, zeros), embed(source))
-      _, ys = rnn('decoder')(carry, embed(target_in))
+      encoder = nn.RNN(nn.OptimizedLSTMCell(features), return_carry=True,
+                       name='encoder')
+      carry, _ = encoder(embed(source))
+      ys = nn.RNN(nn.OptimizedLSTMCell(features), name='decoder')(
+          embed(target_in), initial_carry=carry)
       return nn.Dense(vocab, name='out')(ys)
 
   model = Seq2seq()

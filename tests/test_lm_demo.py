@@ -2,6 +2,12 @@
 run is bit-identical to an uninterrupted one, and cached sampling agrees with
 the full forward pass."""
 import dataclasses
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -110,3 +116,37 @@ def test_generate_is_deterministic_and_keeps_prompt():
   np.testing.assert_array_equal(a[:2], prompt)
   with pytest.raises(ValueError, match='prompt'):
     generate(model, params, data.encode('x' * 16), 16, jax.random.key(3))
+
+
+def test_eight_devices_train_like_one(straight, tmp_path):
+  """``python -m examples.lm --devices=8`` (sharded init, sharded step on a
+  4x2 mesh of simulated CPU devices) follows the one-device run."""
+  root = pathlib.Path(__file__).resolve().parent.parent
+  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=str(root))
+  env.pop('XLA_FLAGS', None)  # the demo sets the device count itself
+  m = TINY.model
+  flags = ['--devices=8', f'--seq_len={m.max_len}', f'--layers={m.num_layers}',
+           f'--heads={m.num_heads}', f'--d_model={m.d_model}',
+           f'--steps={TINY.steps}', f'--batch_size={TINY.batch_size}',
+           f'--learning_rate={TINY.learning_rate}',
+           f'--warmup_steps={TINY.warmup_steps}',
+           f'--eval_every={TINY.eval_every}',
+           f'--eval_batches={TINY.eval_batches}',
+           f'--checkpoint_every={TINY.checkpoint_every}',
+           f'--max_bytes={TINY.max_bytes}',
+           f'--sample_length={TINY.sample_length}', '--no_progress',
+           f'--workdir={tmp_path}']
+  proc = subprocess.run([sys.executable, '-m', 'examples.lm', *flags],
+                        cwd=root, env=env, capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert "mesh: {'data': 4, 'model': 2} over 8 cpu devices" in proc.stdout
+  local, total = (int(n.replace(',', '')) for n in re.search(
+      r'([\d,]+) of ([\d,]+) bytes on each device', proc.stdout).groups())
+  assert local < total  # the sharded parameters are not whole anywhere
+  history = json.loads((tmp_path / 'summary.json').read_text())['history']
+  for kind in ('train', 'eval'):
+    steps, losses = zip(*history[kind])
+    want_steps, want = zip(*straight['history'][kind])
+    assert steps == want_steps
+    np.testing.assert_allclose(losses, want, rtol=2e-4, err_msg=kind)

@@ -3,11 +3,29 @@
   python -m examples.lm            # default run: about 3 minutes, 2 CPU cores
   python -m examples.lm --resume   # continue from the latest checkpoint
   python -m examples.lm --steps=2000 --layers=6 --d_model=256
+  python -m examples.lm --devices=8   # sharded over 8 simulated CPU devices
 """
 import argparse
 import dataclasses
+import os
+import sys
 import time
 
+
+def simulate_devices(argv) -> None:
+  """For ``--devices=N`` on the CPU backend, asks XLA for N host devices;
+  this has to happen before JAX is imported."""
+  p = argparse.ArgumentParser(add_help=False)
+  p.add_argument('--devices', type=int, default=1)
+  n = p.parse_known_args(argv)[0].devices
+  if n > 1 and 'jax' not in sys.modules:
+    os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_'
+                               f'force_host_platform_device_count={n}').strip()
+
+
+simulate_devices(sys.argv[1:] if __name__ == '__main__' else [])
+
+# pylint: disable=wrong-import-position
 import jax
 import jax.numpy as jnp
 
@@ -32,6 +50,9 @@ def parse(argv=None) -> TrainConfig:
   add('--clip_norm', type=float, default=defaults.clip_norm)
   add('--seed', type=int, default=defaults.seed)
   add('--eval_every', type=int, default=defaults.eval_every)
+  add('--eval_batches', type=int, default=defaults.eval_batches)
+  add('--max_bytes', type=int, default=defaults.max_bytes,
+      help='use only this many bytes of text (for a quick run)')
   add('--checkpoint_every', type=int, default=defaults.checkpoint_every)
   add('--workdir', default=defaults.workdir,
       help='checkpoints, loss plot and summary go here')
@@ -43,6 +64,9 @@ def parse(argv=None) -> TrainConfig:
   add('--sample_length', type=int, default=defaults.sample_length)
   add('--temperature', type=float, default=defaults.temperature)
   add('--no_progress', action='store_true', help='no progress bar')
+  add('--devices', type=int, default=defaults.devices,
+      help="train on a ('data', 'model') mesh of this many devices, with "
+      'sharded init and a sharded step (on CPU, simulated devices)')
   a = p.parse_args(argv)
   model = Config(max_len=a.seq_len, num_layers=a.layers, num_heads=a.heads,
                  d_model=a.d_model, dropout_rate=a.dropout)
@@ -50,10 +74,11 @@ def parse(argv=None) -> TrainConfig:
       defaults, model=model, steps=a.steps, batch_size=a.batch_size,
       learning_rate=a.learning_rate, warmup_steps=a.warmup_steps,
       weight_decay=a.weight_decay, clip_norm=a.clip_norm, seed=a.seed,
-      eval_every=a.eval_every, checkpoint_every=a.checkpoint_every,
+      eval_every=a.eval_every, eval_batches=a.eval_batches,
+      max_bytes=a.max_bytes, checkpoint_every=a.checkpoint_every,
       workdir=a.workdir, resume=a.resume, stop_at=a.stop_at,
       prompt=a.prompt, sample_length=a.sample_length, temperature=a.temperature,
-      progress=not a.no_progress)
+      progress=not a.no_progress, devices=a.devices)
 
 
 def main(argv=None):

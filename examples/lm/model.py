@@ -5,15 +5,36 @@ Nothing here is specific to liftmods except the import: change the line
 under Flax with the same variable tree and the same initial parameters
 (``benchmarks/models.py`` does exactly that to compare the two).
 
-The blocks are stacked in one place, :func:`stack`, as a scan over a
-rematerialized block: one parameter layout with a leading layer axis, the
-block traced once, activations recomputed in the backward pass.
+The blocks are stacked in one place, :func:`stack`: with liftmods an
+``nn.Stack`` (one parameter layout with a leading layer axis, the block traced
+once, activations recomputed in the backward pass); under flax.linen, which
+has no layer stack, the same program written by hand as ``nn.scan`` over
+``nn.remat``.
+
+Every kernel and embedding carries logical axis names
+(``nn.with_logical_partitioning``), so ``nn.init_sharded`` can create the
+parameters directly in their shards and a step can run on a device mesh;
+:data:`LOGICAL_RULES` maps the names onto a ``('data', 'model')`` mesh.
 """
 import dataclasses
 
 import jax.numpy as jnp
 
 import liftmods as nn
+
+# Logical axis -> mesh axis: the batch splits over 'data'; attention heads,
+# the MLP's hidden units and the vocabulary over 'model'; the rest replicate.
+LOGICAL_RULES = (('batch', 'data'), ('heads', 'model'), ('mlp', 'model'),
+                 ('vocab', 'model'), ('embed', None), ('kv', None),
+                 ('length', None), ('layers', None))
+
+
+def _named(init, *names):
+  return nn.with_logical_partitioning(init, names)
+
+
+_KERNEL = nn.initializers.lecun_normal()
+_EMBED = nn.initializers.variance_scaling(1.0, 'fan_in', 'normal', out_axis=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,13 +55,15 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x, train: bool):
     cfg = self.config
-    h = nn.gelu(nn.Dense(cfg.d_model * cfg.mlp_ratio, name='fc')(x))
-    h = nn.Dense(cfg.d_model, name='proj')(h)
+    h = nn.Dense(cfg.d_model * cfg.mlp_ratio, name='fc',
+                 kernel_init=_named(_KERNEL, 'embed', 'mlp'))(x)
+    h = nn.Dense(cfg.d_model, name='proj',
+                 kernel_init=_named(_KERNEL, 'mlp', 'embed'))(nn.gelu(h))
     return nn.Dropout(cfg.dropout_rate, deterministic=not train)(h)
 
 
 class Block(nn.Module):
-  """A pre-norm Transformer block; as a scan body, ``x -> (x, None)``.
+  """A pre-norm Transformer block, ``x -> x``.
 
   With ``decode=True`` the attention keeps a key/value cache in the
   ``'cache'`` collection and takes one position per call (no mask needed:
@@ -53,25 +76,42 @@ class Block(nn.Module):
   def __call__(self, x, train: bool):
     cfg = self.config
     mask = None if self.decode else nn.make_causal_mask(x[..., 0])
-    h = nn.SelfAttention(num_heads=cfg.num_heads, dropout_rate=cfg.dropout_rate,
-                         deterministic=not train, decode=self.decode,
-                         name='attn')(nn.LayerNorm(name='ln_attn')(x), mask)
+    h = nn.SelfAttention(
+        num_heads=cfg.num_heads, dropout_rate=cfg.dropout_rate,
+        deterministic=not train, decode=self.decode, name='attn',
+        kernel_init=_named(_KERNEL, 'embed', 'heads', 'kv'),
+        out_kernel_init=_named(_KERNEL, 'heads', 'kv', 'embed'))(
+            nn.LayerNorm(name='ln_attn')(x), mask)
     x = x + nn.Dropout(cfg.dropout_rate, deterministic=not train)(h)
-    x = x + Mlp(cfg, name='mlp')(nn.LayerNorm(name='ln_mlp')(x), train)
-    return x, None
+    return x + Mlp(cfg, name='mlp')(nn.LayerNorm(name='ln_mlp')(x), train)
+
+
+class _ScanBody(Block):
+  """``Block`` as an ``nn.scan`` body, ``x -> (x, None)`` (flax.linen only)."""
+
+  def __call__(self, x, train: bool):
+    return super().__call__(x, train), None
 
 
 def stack(config: Config, decode: bool, name: str):
-  """The layer stack: ``num_layers`` blocks as one scanned, rematerialized
-  module, its parameters and cache stacked on a leading layer axis.
+  """The layer stack: ``num_layers`` blocks as one module, its parameters
+  and cache stacked on a leading layer axis named ``'layers'``, each block
+  rematerialized in the backward pass (only the carries between blocks are
+  kept).
 
-  This is the one place to change to stack the blocks another way.
+  This is the one place to change to stack the blocks another way, e.g.
+  ``policy='nested'`` for O(sqrt(L)) memory or ``mode='unrolled'``.
   """
-  body = nn.remat(Block, static_argnums=(2,))
-  return nn.scan(body, variable_axes={'params': 0, 'cache': 0},
-                 split_rngs={'params': True, 'dropout': True},
-                 in_axes=(nn.broadcast,), length=config.num_layers)(
-                     config, decode, name=name)
+  if hasattr(nn, 'Stack'):  # liftmods
+    return nn.Stack(Block, config.num_layers, policy='full')(
+        config, decode, name=name)
+  body = nn.remat(_ScanBody, static_argnums=(2,))
+  scanned = nn.scan(body, variable_axes={'params': 0, 'cache': 0},
+                    split_rngs={'params': True, 'dropout': True},
+                    in_axes=(nn.broadcast,), length=config.num_layers,
+                    metadata_params={nn.PARTITION_NAME: 'layers'})(
+                        config, decode, name=name)
+  return lambda x, train: scanned(x, train)[0]
 
 
 class TransformerLM(nn.Module):
@@ -87,16 +127,18 @@ class TransformerLM(nn.Module):
   @nn.compact
   def __call__(self, tokens, train: bool = False):
     cfg = self.config
-    embed = nn.Embed(cfg.vocab_size, cfg.d_model, name='embed')
+    embed = nn.Embed(cfg.vocab_size, cfg.d_model, name='embed',
+                     embedding_init=_named(_EMBED, 'vocab', 'embed'))
     x = embed(tokens) + self.positions(tokens)
     x = nn.Dropout(cfg.dropout_rate, deterministic=not train)(x)
-    x, _ = stack(cfg, self.decode, name='blocks')(x, train)
+    x = stack(cfg, self.decode, name='blocks')(x, train)
     return embed.attend(nn.LayerNorm(name='ln_out')(x))
 
   def positions(self, tokens):
     """Learned position embeddings for the positions of ``tokens``."""
     cfg = self.config
-    table = self.param('pos_embed', nn.initializers.normal(0.02),
+    table = self.param('pos_embed',
+                       _named(nn.initializers.normal(0.02), 'length', 'embed'),
                        (cfg.max_len, cfg.d_model))
     length = tokens.shape[-1]
     if not self.decode:

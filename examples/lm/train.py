@@ -18,10 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
+import liftmods as nn
 from examples.lm import data
-from examples.lm.model import Config, TransformerLM
+from examples.lm.model import LOGICAL_RULES, Config, TransformerLM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +49,17 @@ class TrainConfig:
   temperature: float = 0.7
   plot: str | None = 'loss.png'
   progress: bool = True
+  devices: int = 1  # > 1: a ('data', 'model') mesh over that many devices
+
+  @property
+  def mesh_shape(self) -> tuple[int, int]:
+    """``(data, model)``: two-way model parallelism when it divides the
+    heads and the device count, the rest data parallel."""
+    model = 2 if self.devices % 2 == 0 and self.model.num_heads % 2 == 0 else 1
+    if self.devices > 1 and self.batch_size % (self.devices // model):
+      raise ValueError(f'batch_size {self.batch_size} must divide over the '
+                       f'{self.devices // model} data-parallel devices')
+    return self.devices // model, model
 
   @property
   def seq_len(self) -> int:
@@ -80,12 +93,51 @@ def cross_entropy(logits, targets):
       logits.astype(jnp.float32), targets).mean()
 
 
-def init_state(model: TransformerLM, optimizer, seed: int) -> dict:
-  """``{'step', 'params', 'opt_state'}`` for a fresh run."""
+def make_mesh(cfg: TrainConfig) -> jax.sharding.Mesh | None:
+  """The ``('data', 'model')`` mesh for ``cfg.devices`` (None for one)."""
+  if cfg.devices <= 1:
+    return None
+  if jax.device_count() < cfg.devices:
+    raise ValueError(
+        f'--devices={cfg.devices} but JAX sees {jax.device_count()} device(s); '
+        'on CPU set XLA_FLAGS=--xla_force_host_platform_device_count='
+        f'{cfg.devices} before JAX is imported (python -m examples.lm does).')
+  auto = jax.sharding.AxisType.Auto  # XLA propagates the rest (GSPMD)
+  return jax.make_mesh(cfg.mesh_shape, ('data', 'model'), (auto, auto),
+                       devices=jax.devices()[:cfg.devices])
+
+
+def init_state(model: TransformerLM, optimizer, seed: int,
+               mesh: jax.sharding.Mesh | None = None, unbox=nn.unbox):
+  """``({'step', 'params', 'opt_state'}, shardings)`` for a fresh run.
+
+  On a mesh the parameters are created in their shards by
+  ``nn.init_sharded`` (no parameter is ever whole on one device) and the
+  optimizer state follows them; ``shardings`` is then the matching tree of
+  ``NamedSharding``s, otherwise None. ``unbox`` strips the partitioning
+  boxes (pass ``flax.linen.unbox`` for the model built with flax.linen).
+  """
   tokens = jnp.zeros((1, model.config.max_len), jnp.int32)
-  params = jax.jit(model.init)(jax.random.key(seed), tokens)['params']
-  return {'step': jnp.array(0, jnp.int32), 'params': params,
-          'opt_state': optimizer.init(params)}
+  key = jax.random.key(seed)
+  if mesh is None:
+    params = unbox(jax.jit(model.init)(key, tokens)['params'])
+    return {'step': jnp.array(0, jnp.int32), 'params': params,
+            'opt_state': optimizer.init(params)}, None
+  variables, shardings = nn.init_sharded(model, mesh, LOGICAL_RULES)(
+      key, tokens)
+  params, param_shardings = variables['params'], shardings['params']
+  replicated = NamedSharding(mesh, PartitionSpec())
+  opt_shardings = optax.tree_map_params(
+      optimizer, lambda _, sharding: sharding,
+      jax.eval_shape(optimizer.init, params), param_shardings,
+      transform_non_params=lambda _: replicated)
+  state_shardings = {'step': replicated, 'params': param_shardings,
+                     'opt_state': opt_shardings}
+  state = {'step': jax.device_put(jnp.array(0, jnp.int32), replicated),
+           'params': params,
+           'opt_state': jax.jit(optimizer.init,
+                                out_shardings=opt_shardings)(params)}
+  return state, state_shardings
 
 
 def make_train_step(model: TransformerLM, optimizer, seed: int, *,
@@ -230,7 +282,15 @@ def train(cfg: TrainConfig, log=print) -> dict:
   train_data, held_data = data.load(max_bytes=cfg.max_bytes)
   log(f'data: {len(train_data):,} training bytes, {len(held_data):,} held-out '
       f'bytes from {len(data.stdlib_files())} standard-library files')
-  state = init_state(model, optimizer, cfg.seed)
+  mesh = make_mesh(cfg)
+  state, shardings = init_state(model, optimizer, cfg.seed, mesh)
+  if mesh is not None:
+    total = sum(x.nbytes for x in jax.tree_util.tree_leaves(state['params']))
+    local = sum(x.addressable_shards[0].data.nbytes
+                for x in jax.tree_util.tree_leaves(state['params']))
+    log(f'mesh: {dict(mesh.shape)} over {cfg.devices} {jax.default_backend()} '
+        f'devices; parameters created sharded by nn.init_sharded, '
+        f'{local:,} of {total:,} bytes on each device')
   history = {'train': [], 'eval': []}
   manager = checkpoint_manager(cfg)
   if cfg.resume:
@@ -239,7 +299,10 @@ def train(cfg: TrainConfig, log=print) -> dict:
   if start:
     log(f'resumed from step {start}')
 
-  train_step = make_train_step(model, optimizer, cfg.seed)
+  train_step = make_train_step(
+      model, optimizer, cfg.seed, state_shardings=shardings,
+      batch_sharding=None if mesh is None else NamedSharding(
+          mesh, PartitionSpec('data')))
   eval_step = make_eval_step(model)
   held = data.eval_batches(held_data, cfg.eval_batches, cfg.batch_size,
                            cfg.seq_len)
