@@ -19,8 +19,17 @@ Rows marked with another depth (prime, unrolled) are compared with the flat
 
   python -m benchmarks.stack --depth=64 --hidden=64 --batch=2048 --repeats=5
   python -m benchmarks.stack --rows=liftmods_full,liftmods_nested  # subset
+
+The ``offload_*`` rows move carries / a named internal to pinned host
+memory. XLA:CPU has no separate host memory: there they warn
+(``StackOffloadWarning``) and match their on-device rows; on a GPU, host
+bytes > 0 and device temp below the on-device row are the figures:
+
+  python -m benchmarks.stack --rows=liftmods_full,liftmods_save_named,\
+      liftmods_nested,offload_carries,offload_named,offload_nested
 """
 import time
+import warnings
 
 from absl import app, flags
 import flax.linen as fnn
@@ -156,6 +165,11 @@ def rows(depth, hidden):
       ('liftmods_nested', depth, stack_net(depth, hidden, policy='nested')),
       ('liftmods_nested_4', depth, stack_net(
           depth, hidden, policy=policy(nested=4))),
+      ('offload_carries', depth, stack_net(depth, hidden, policy='offload')),
+      ('offload_named', depth, stack_net(depth, hidden, policy=policy(
+          offload_block_internals=('mlp_up',)))),
+      ('offload_nested', depth, stack_net(depth, hidden, policy=policy(
+          nested=True, save_carries='offload'))),
       ('liftmods_full_L%d' % prime, prime, stack_net(prime, hidden,
                                                      policy='full')),
       ('liftmods_nested_L%d' % prime, prime, stack_net(prime, hidden,
@@ -195,6 +209,9 @@ PAIRS = (  # (liftmods row, equivalent row)
     ('liftmods_save_named', 'linen_remat_named'),
     ('liftmods_nested', 'jax_nested_8x8'),
     ('liftmods_nested', 'linen_remat_scan_8x8'),
+    ('offload_carries', 'liftmods_full'),
+    ('offload_named', 'liftmods_save_named'),
+    ('offload_nested', 'liftmods_nested'),
 )
 
 
@@ -215,7 +232,11 @@ def main(argv):
       v = {'params': {'blocks': jax.tree_util.tree_map(
           lambda a: a.reshape((8, d // 8) + a.shape[1:]),
           v['params']['blocks'])}}
-    temp, host, compile_s, fn = measure(model, v, x)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter('always', lnn.StackOffloadWarning)
+      temp, host, compile_s, fn = measure(model, v, x)
+    for w in caught[:1]:
+      print(f'  ({label}: StackOffloadWarning: {w.message})')
     compiled[label] = (fn, v)
     results[label] = dict(depth=d, temp=temp, host=host, compile=compile_s)
     print(f'  {label:<26} D={d:<3} temp {temp / MIB:9.2f} MiB  host '
@@ -254,6 +275,9 @@ def main(argv):
       ra, rb = results[a], results[b]
       line = (f'  {a} / {b}: temp {ra["temp"] / rb["temp"]:.2f}x, compile '
               f'{ra["compile"] - rb["compile"]:+.2f} s')
+      if a.startswith('offload'):
+        line += f', host {ra["host"] / MIB:.2f} vs {rb["host"] / MIB:.2f} MiB'
+
       if 'step' in ra:
         line += (f', step {ra["step"] / rb["step"]:.2f}x wall, '
                  f'{ra["cpu"] / rb["cpu"]:.2f}x CPU')
