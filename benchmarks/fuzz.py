@@ -25,6 +25,8 @@ flags.DEFINE_integer('max_depth', 4, 'deepest module nesting')
 flags.DEFINE_list('disable', [], 'generator features to turn off '
                   f'(of {sorted(programs.FEATURES)})')
 flags.DEFINE_list('enable', [], 'generator features to turn on')
+flags.DEFINE_bool('optimize', False, "compile with XLA's optimizations "
+                  '(off by default: twice as fast, same comparison)')
 flags.DEFINE_bool('show', False, 'print every program and its verdict')
 flags.DEFINE_integer('progress', 25, 'print running counts every N programs')
 F = flags.FLAGS
@@ -39,7 +41,7 @@ def main(argv):
   for seed in range(F.seed, F.seed + F.programs):
     case = compare.draw_case(programs.RandomChooser(seed), features,
                              F.max_depth)
-    verdict, detail = compare.compare(case, fnn, lnn)
+    verdict, detail = compare.compare(case, fnn, lnn, optimize=F.optimize)
     counts[verdict] += 1
     if verdict == 'both_raise':
       raised[detail] += 1
