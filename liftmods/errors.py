@@ -71,6 +71,7 @@ class ScopeParamNotFoundError(LiftmodsError):
   """A parameter is read during apply but is not in the variables."""
 
   def __init__(self, name, path):
+    self.collection = 'params'
     super().__init__(_join(
         f'Could not find parameter named "{name}" in scope "{_where(path)}".',
         'Pass variables that contain it, or create it with init().'))
@@ -80,6 +81,7 @@ class ScopeCollectionNotFound(LiftmodsError):
   """A variable is read from a collection that was not passed at all."""
 
   def __init__(self, col, name, path, hint=None):
+    self.collection = col
     super().__init__(_join(
         f'Tried to access "{name}" from collection "{col}" in '
         f'"{_where(path)}" but the collection is empty.',
@@ -91,6 +93,7 @@ class ScopeVariableNotFoundError(LiftmodsError):
   """A variable is read during apply but is not in its collection."""
 
   def __init__(self, name, col, path):
+    self.collection = col
     super().__init__(_join(
         f'No Variable named "{name}" for collection "{col}" exists in '
         f'"{_where(path)}".',

@@ -351,6 +351,34 @@ def test_while_loop_initialises_params():
   assert 'params' in msg and 'kernel' in msg
 
 
+def test_while_loop_missing_param_with_other_mutable_keeps_linen_error():
+  """Reading an absent param inside the loop, while an unrelated collection
+  is mutable, is not an attempt to initialise: Linen's error, not
+  WhileLoopInitError (fuzz seed 100472)."""
+  def build(nn):
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        def body_fn(mdl, c):
+          return c[0] + 1, nn.Dense(3, name='inner')(c[1])
+        return nn.while_loop(lambda mdl, c: c[0] < 2, body_fn, self,
+                             (jnp.array(0), x),
+                             carry_variables='batch_stats')[1]
+    return Model()
+
+  def run(nn):
+    return build(nn).apply({'params': {}}, jnp.ones((3,)),
+                           mutable=['intermediates'])
+
+  with pytest.raises(flax.errors.ScopeCollectionNotFound):
+    run(fnn)
+  with pytest.raises(errors.ScopeCollectionNotFound) as info:
+    run(lnn)
+  assert not isinstance(info.value, errors.WhileLoopInitError)
+  assert str(info.value).startswith('Tried to access "kernel" from collection '
+                                    '"params" in "/inner"')
+
+
 def test_while_loop_initialises_carried_counter():
   def build(nn):
     class Model(nn.Module):

@@ -1056,8 +1056,13 @@ def while_loop(cond_fn: Callable[..., Any], body_fn: Callable[..., Any],
           for group, split in zip(rng_groups, rng_splits))
 
     def init_error(err, where):
+      # Only a lookup in a collection that could be created outside the
+      # loop is an attempt to initialise; other lookups keep Linen's error.
+      col = getattr(err, 'collection', None)
+      if col is None or not in_filter(read_only, col):
+        return None
       for s in scopes:
-        if not is_empty(intersect(s.mutable, read_only)):
+        if in_filter(s.mutable, col):
           return errors.WhileLoopInitError(
               f'while_loop at {s.path_text}: the {where} tried to create a '
               'variable, but variables cannot be initialised inside a '
