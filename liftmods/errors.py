@@ -70,18 +70,18 @@ class ScopeParamShapeError(LiftmodsError):
 class ScopeParamNotFoundError(LiftmodsError):
   """A parameter is read during apply but is not in the variables."""
 
-  def __init__(self, name, path):
-    self.collection = 'params'
+  def __init__(self, name, path, hint=None):
+    self.collection, self.lookup = 'params', (name, path)
     super().__init__(_join(
         f'Could not find parameter named "{name}" in scope "{_where(path)}".',
-        'Pass variables that contain it, or create it with init().'))
+        hint or 'Pass variables that contain it, or create it with init().'))
 
 
 class ScopeCollectionNotFound(LiftmodsError):
   """A variable is read from a collection that was not passed at all."""
 
   def __init__(self, col, name, path, hint=None):
-    self.collection = col
+    self.collection, self.lookup = col, (col, name, path)
     super().__init__(_join(
         f'Tried to access "{name}" from collection "{col}" in '
         f'"{_where(path)}" but the collection is empty.',
@@ -92,13 +92,13 @@ class ScopeCollectionNotFound(LiftmodsError):
 class ScopeVariableNotFoundError(LiftmodsError):
   """A variable is read during apply but is not in its collection."""
 
-  def __init__(self, name, col, path):
-    self.collection = col
+  def __init__(self, name, col, path, hint=None):
+    self.collection, self.lookup = col, (name, col, path)
     super().__init__(_join(
         f'No Variable named "{name}" for collection "{col}" exists in '
         f'"{_where(path)}".',
-        f'Pass variables that contain it, or make "{col}" mutable so it can '
-        'be created.'))
+        hint or f'Pass variables that contain it, or make "{col}" mutable '
+        'so it can be created.'))
 
 
 class ModifyScopeVariableError(LiftmodsError):
@@ -403,8 +403,9 @@ class VariableAxisError(LiftError):
   """A collection mapped by vmap/scan is missing or has a wrong axis size."""
 
 
-class WhileLoopInitError(LiftError):
-  """Variables are initialised inside a lifted while_loop."""
+class WhileLoopInitError(LiftError, TypeError):
+  """A lifted while_loop's body adds variables to a carried collection
+  (Linen lets JAX reject the changed carry with a ``TypeError``)."""
 
 
 class PartitioningUnspecifiedError(LiftError):

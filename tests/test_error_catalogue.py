@@ -44,7 +44,7 @@ LINEN_RAISES = {
     'BroadcastVariableError': 'ValueError',
     'CondBranchVariablesError': 'TypeError',
     'VariableAxisError': 'ValueError',
-    'WhileLoopInitError': 'ScopeCollectionNotFound',
+    'WhileLoopInitError': 'TypeError',
     'PartitionAxisMismatchError': 'AssertionError',
     'ShardingError': 'AttributeError',
     'LogicalAxisUnmappedError': 'AttributeError',

@@ -1056,18 +1056,19 @@ def while_loop(cond_fn: Callable[..., Any], body_fn: Callable[..., Any],
           for group, split in zip(rng_groups, rng_splits))
 
     def init_error(err, where):
-      # Only a lookup in a collection that could be created outside the
-      # loop is an attempt to initialise; other lookups keep Linen's error.
+      """Linen's lookup error, with a hint saying why the variable is
+      missing, when it was (probably) meant to be created in the loop."""
+      # Only a collection that could be created outside the loop counts.
       col = getattr(err, 'collection', None)
       if col is None or not in_filter(read_only, col):
         return None
       for s in scopes:
         if in_filter(s.mutable, col):
-          return errors.WhileLoopInitError(
-              f'while_loop at {s.path_text}: the {where} tried to create a '
-              'variable, but variables cannot be initialised inside a '
-              'while_loop; call the body once before the loop so that they '
-              f'exist. (Lookup that failed: {err})')
+          return type(err)(*err.lookup, hint=(
+              f'This lookup is in the {where} of the while_loop at '
+              f'{s.path_text}, where variables cannot be created: run the '
+              'body once before the loop so that they exist (e.g. during '
+              'init, when self.is_mutable_collection("params")).'))
       return None
 
     def cond_wrapper(state):
