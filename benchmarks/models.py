@@ -30,6 +30,7 @@ Models:
       --mode=trace,lower,compile,step --repeats=7
 """
 import functools
+import gc
 import pathlib
 import statistics
 import sys
@@ -252,9 +253,12 @@ def measure(mode, built, repeats):
   for _ in range(repeats):  # interleaved, so load drifts hit both alike
     for name, (prepare, call) in calls.items():
       prepare()
+      gc.collect()
+      gc.disable()  # as timeit does: no collection inside the timed call
       start = time.perf_counter()
       call()
       times[name].append(time.perf_counter() - start)
+      gc.enable()
   return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -264,10 +268,13 @@ def attribute(model, built):
   import pstats
   for name, (step, state, batch, _) in built.items():
     fresh(step).trace(state, batch)
+    gc.collect()
+    gc.disable()  # a collection would be charged to whichever frame ran
     profile = cProfile.Profile()
     profile.enable()
     fresh(step).trace(state, batch)
     profile.disable()
+    gc.enable()
     stats = pstats.Stats(profile)
     shares = {}
     for (path, _, _), (_, _, own, _, _) in stats.stats.items():
