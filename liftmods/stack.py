@@ -26,6 +26,7 @@ over the same stacked variables, so one checkpoint serves both modes.
 (4, 3, 3)
 """
 import dataclasses
+import functools
 import inspect
 import math
 import warnings
@@ -321,7 +322,7 @@ def _stack_transform(layer_fn, *, length, policy, mode, unroll,
       return c, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
 
     def all_layers(ready):
-      step = lambda c, sliced, n: run(c, sliced, n, ready)
+      step = functools.partial(run, ready=ready)
       if group is None or group >= length:  # one group: nothing to nest
         return step(c, xs, length)
       return _nested(step, c, xs, length, group, policy, offload, in_loop)
