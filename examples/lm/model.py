@@ -33,8 +33,8 @@ def _named(init, *names):
   return nn.with_logical_partitioning(init, names)
 
 
-_KERNEL = nn.initializers.lecun_normal()
-_EMBED = nn.initializers.variance_scaling(1.0, 'fan_in', 'normal', out_axis=0)
+_KERNEL = nn.linear.default_kernel_init  # the layers' own defaults
+_EMBED = nn.linear.default_embed_init
 
 
 @dataclasses.dataclass(frozen=True)
