@@ -349,18 +349,19 @@ def _replaying_rngs(scopes, rng_groups, site, layer, c, xs, all_layers,
   """
   if not lift._has_rngs(rng_groups):  # pylint: disable=protected-access
     return all_layers(_counters(scopes))
-  replay = lift._RngReplay(scopes, (  # pylint: disable=protected-access
-      site, tuple(s.path for s in scopes),
-      lift._hashable_flags(scopes[0].flags),  # pylint: disable=protected-access
-      jax.tree_util.tree_structure((c, xs))))
-  if replay.hit is not None:
-    verify.append(replay.verify)
+  replay = lift._RngReplay(  # pylint: disable=protected-access
+      scopes, (site, jax.tree_util.tree_structure((c, xs))))
+
+  def checked(check):
+    verify.append(check)
     try:
       return all_layers(replay.hit[0])
-    except lift._ReplayMismatch:  # pylint: disable=protected-access
-      replay.set(replay.before)
     finally:
       verify.clear()
+
+  replayed = replay.replayed(checked)
+  if replayed is not None:
+    return replayed[0]
   jax.eval_shape(layer, c, _take(xs, 0))
   ready = replay.state()
   out = all_layers(ready)

@@ -700,10 +700,26 @@ class _RngReplay:
   _LIMIT = 512
 
   def __init__(self, scopes, site):
+    """``site``: what identifies the traced code and its inputs' structure
+    (the scopes' paths and flags are added here)."""
     self.scopes = scopes
     self.before = self.state()
-    self.key = (site, self.before)
+    self.key = (site, tuple(s.path for s in scopes),
+                _hashable_flags(scopes[0].flags), self.before)
     self.hit = self._cache.get(self.key)
+
+  def replayed(self, trace):
+    """``(out,)`` of ``trace(verify)`` run from the recorded counters, or
+    None (counters as before) when nothing is recorded or the trace moved
+    them differently; ``trace`` calls ``verify()`` after its loop body."""
+    if self.hit is None:
+      return None
+    self.set(self.hit[0])
+    try:
+      return (trace(self.verify),)
+    except _ReplayMismatch:
+      self.set(self.before)
+      return None
 
   def state(self):
     return tuple(_counter_state(s.rng_counters) for s in self.scopes)
@@ -761,13 +777,11 @@ def _scan_with_broadcast(body, in_axes, out_axes, length, reverse, unroll,
       out_axes, is_leaf=lambda x: x is broadcast))
 
   def run(broadcast_in, init, *args):
-    if rng_replay is not None and rng_replay.hit is not None and not (
-        out_broadcast):
-      rng_replay.set(rng_replay.hit[0])
-      try:
-        return traced(broadcast_in, init, args, False, rng_replay.verify)
-      except _ReplayMismatch:
-        rng_replay.set(rng_replay.before)
+    if rng_replay is not None and not out_broadcast:
+      replayed = rng_replay.replayed(
+          lambda verify: traced(broadcast_in, init, args, False, verify))
+      if replayed is not None:
+        return replayed[0]
     if rng_replay is None:
       return traced(broadcast_in, init, args, True, None)
     out = traced(broadcast_in, init, args, True, None)
@@ -1003,9 +1017,8 @@ def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable
     has_rngs = _has_rngs(rng_groups)
     replay = None
     if has_rngs and not mutable_broadcast:
-      site = (getattr(fn, '__code__', None), tuple(s.path for s in scopes),
-              _hashable_flags(scopes[0].flags), jax.tree_util.tree_structure(
-                  (args, init)))
+      site = (getattr(fn, '__code__', None),
+              jax.tree_util.tree_structure((args, init)))
       replay = _RngReplay(scopes, site)
     looped = _scan_with_broadcast(
         body, in_axes=(var_in_axes, rng_axes, in_axes),
