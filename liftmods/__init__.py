@@ -54,14 +54,16 @@ from liftmods.module import (Module, apply, compact, compact_name_scope,
                              override_named_call, merge_param, nowrap,
                              share_scope)
 from liftmods.pooling import avg_pool, max_pool, min_pool, pool
+from liftmods.precision import (Precision, PrecisionPolicyError,
+                                PrecisionPolicyWarning, precision_policy)
 from liftmods.summary import tabulate
 
 __version__ = '0.1.0'
 # Linen's submodule namespaces (nn.linear, nn.attention, ...).
 from liftmods import (activation, attention, combinators, dtypes,
                       kw_only_dataclasses, linear, module, normalization,
-                      pooling, recurrent, stochastic, summary, transforms,
-                      traverse_util)
+                      pooling, precision, recurrent, stochastic, summary,
+                      transforms, traverse_util)
 from liftmods.core.lift import broadcast
 from liftmods.transforms import (add_metadata_axis, checkpoint, cond,
                                  custom_vjp, fold_rngs, grad, jit, jvp,

@@ -255,6 +255,18 @@ def run_interceptors(orig_method, module, *args, **kwargs):
   return fun(*args, **kwargs)
 
 
+def current_module() -> 'Module | None':
+  """The module whose wrapped method is running in this thread, or None
+  outside every module method."""
+  return _context.module_stack[-1]
+
+
+def active_interceptors() -> tuple:
+  """The interceptors registered in this thread, outermost first. They are
+  part of what a trace computes, so trace caches key on them."""
+  return tuple(_context.interceptors)
+
+
 def _intercepted(interceptor, fun, context):
 
   @functools.wraps(fun)

@@ -30,7 +30,8 @@ from liftmods.core import lift
 from liftmods.core import meta
 from liftmods.core.frozen_dict import FrozenDict
 from liftmods.core.scope import Scope, Variable
-from liftmods.module import Module, _contains, _unbound_fn, _wrap_method
+from liftmods.module import (Module, _contains, _unbound_fn, _wrap_method,
+                             active_interceptors)
 
 
 # -- collecting and restoring scopes ------------------------------------------------
@@ -586,14 +587,16 @@ def _state_key(module: Module):
 
 class _ModuleKey:
   """Hashable by what determines the module's computation: its class,
-  configuration and naming state, not its name or position. Carries the
+  configuration and naming state, and the method interceptors active in
+  this thread (e.g. a precision policy), not its name or position. Carries the
   module itself so that a trace can rebuild it."""
 
   __slots__ = ('module', 'key', '_hash')
 
   def __init__(self, module: Module):
     self.module = module
-    self.key = (_fingerprint(module), _state_key(module))
+    self.key = (_fingerprint(module), _state_key(module),
+                active_interceptors())
     self._hash = hash(self.key)
 
   def __hash__(self):

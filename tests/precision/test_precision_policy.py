@@ -1,0 +1,386 @@
+"""nn.precision_policy against flax.linen with dtype/param_dtype threaded by
+hand through every layer (the oracle), plus the policy's own rules and
+errors.
+
+The model is written once against a Linen-style namespace; ``dt`` is the
+keyword arguments each layer gets: ``{}`` for the liftmods model run under
+the policy, ``{'dtype': bf16, 'param_dtype': f32}`` for the hand-threaded
+models. Variables, outputs and gradients are compared bit for bit.
+"""
+import doctest
+import types
+import warnings
+
+import flax.linen as fnn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import liftmods as nn
+from liftmods import precision as precision_lib
+from liftmods.module import active_interceptors
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+MIXED = nn.Precision(compute_dtype=BF16, param_dtype=F32, output_dtype=F32)
+THREADED = {'dtype': BF16, 'param_dtype': F32}
+
+
+def build(lib, dt):
+  """An LM-like model using Embed, LayerNorm, RMSNorm, attention, Dense,
+  DenseGeneral and Conv; ``dt`` goes to every layer."""
+
+  class Block(lib.Module):
+
+    @lib.compact
+    def __call__(self, x):
+      h = lib.LayerNorm(**dt)(x)
+      h = lib.MultiHeadDotProductAttention(num_heads=2, **dt)(h, h)
+      x = x + h
+      h = lib.RMSNorm(**dt)(x)
+      h = lib.Conv(8, kernel_size=(3,), **dt)(h)
+      h = lib.DenseGeneral((2, 8), **dt)(lib.gelu(h))
+      return x + lib.Dense(8, **dt)(h.reshape(h.shape[:-2] + (-1,)))
+
+  class Model(lib.Module):
+
+    @lib.compact
+    def __call__(self, tokens):
+      x = lib.Embed(11, 8, **dt)(tokens)
+      x = Block()(x)
+      return lib.Dense(11, **dt)(lib.LayerNorm(**dt)(x))
+
+  return Model()
+
+
+TOKENS = jnp.array([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
+
+
+def bits(x):
+  x = np.asarray(x)
+  return x.view(f'u{x.dtype.itemsize}')
+
+
+def assert_same_bits(expected, actual):
+  e = jax.tree_util.tree_flatten_with_path(jax.tree_util.tree_map(
+      np.asarray, fnn.meta.unbox(expected)))[0]
+  a = jax.tree_util.tree_flatten_with_path(jax.tree_util.tree_map(
+      np.asarray, actual))[0]
+  assert [p for p, _ in e] == [p for p, _ in a]
+  for (path, x), (_, y) in zip(e, a):
+    assert x.dtype == y.dtype and x.shape == y.shape, (path, x.dtype, y.dtype)
+    np.testing.assert_array_equal(bits(x), bits(y), err_msg=str(path))
+
+
+def loss_fn(apply):
+  """The loss (and the logits) in f32. The hand-threaded model returns
+  bf16 logits: the cast is part of both programs, so that XLA (which may
+  keep excess precision across a bf16 -> f32 convert) sees the same ops."""
+  def loss(params):
+    logits = apply({'params': params}, TOKENS).astype(F32)
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 0]), logits
+  return loss
+
+
+def deterministic_params():
+  """Parameters of the model's shapes and f32 dtype, without compiling an
+  init (random initializers make the program several times larger)."""
+  shapes = jax.eval_shape(build(nn, {}).init, jax.random.key(0), TOKENS)
+  leaves, tree = jax.tree_util.tree_flatten(shapes['params'])
+  values = [np.sin(np.arange(leaf.size, dtype=np.float32) * (0.37 + i))
+            .reshape(leaf.shape) / 2 for i, leaf in enumerate(leaves)]
+  return jax.tree_util.tree_unflatten(tree, values)
+
+
+def run_model(model, params):
+  """Output, loss and gradients, compiled as one program (eager execution
+  would compile every op on its own, which takes far longer)."""
+  step = jax.jit(jax.value_and_grad(loss_fn(model.apply), has_aux=True))
+  (loss, y), grads = step(params)
+  return types.SimpleNamespace(y=y, loss=loss, grads=grads)
+
+
+@pytest.fixture(scope='module')
+def params():
+  return deterministic_params()
+
+
+@pytest.fixture(scope='module')
+def oracle(params):
+  return run_model(build(fnn, THREADED), params)
+
+
+@pytest.fixture(scope='module')
+def policied(params):
+  with nn.precision_policy(MIXED):
+    return run_model(build(nn, {}), params)
+
+
+def test_init_gives_the_variables_linen_gives_with_dtypes_threaded():
+  key = jax.random.key(0)
+  expected = jax.eval_shape(build(fnn, THREADED).init, key, TOKENS)
+  threaded = build(nn, THREADED)
+  with nn.precision_policy(MIXED):
+    got = jax.eval_shape(build(nn, {}).init, key, TOKENS)
+    # The same program as liftmods with the fields threaded by hand (whose
+    # values equal Linen's bit for bit: tests/test_layers_*.py).
+    model = build(nn, {})
+    init_jaxpr = str(jax.make_jaxpr(
+        lambda k: model.init_with_output(k, TOKENS))(key))
+  assert (jax.tree_util.tree_structure(fnn.meta.unbox(expected))
+          == jax.tree_util.tree_structure(got))
+  assert (jax.tree_util.tree_map(lambda s: (s.shape, s.dtype),
+                                 fnn.meta.unbox(expected))
+          == jax.tree_util.tree_map(lambda s: (s.shape, s.dtype), got))
+
+  def threaded_init(key):
+    y, variables = threaded.init_with_output(key, TOKENS)
+    return y.astype(F32), variables
+
+  assert init_jaxpr == str(jax.make_jaxpr(threaded_init)(key))
+
+
+def test_apply_equals_linen_with_dtypes_threaded(oracle, policied):
+  assert_same_bits(oracle.y, policied.y)
+
+
+def test_loss_f32_and_gradients_in_param_dtype(oracle, policied):
+  assert policied.loss.dtype == F32
+  np.testing.assert_array_equal(bits(oracle.loss), bits(policied.loss))
+  assert {g.dtype for g in jax.tree_util.tree_leaves(policied.grads)} == {
+      np.dtype(F32)}
+  assert_same_bits(oracle.grads, policied.grads)
+
+
+def test_same_program_as_liftmods_threaded_by_hand(params):
+  """Up to the final cast to output_dtype, the jaxpr is the one written
+  with dtype/param_dtype on every layer."""
+  variables = {'params': params}
+  threaded, model = build(nn, THREADED), build(nn, {})
+  expected = jax.make_jaxpr(
+      lambda v: threaded.apply(v, TOKENS).astype(F32))(variables)
+
+  def run(v):
+    with nn.precision_policy(MIXED):
+      return model.apply(v, TOKENS)
+
+  assert str(jax.make_jaxpr(run)(variables)) == str(expected)
+
+
+def test_no_policy_registers_nothing_and_leaves_the_program(params):
+  model, variables = build(nn, {}), {'params': params}
+  before = str(jax.make_jaxpr(model.apply)(variables, TOKENS))
+  assert active_interceptors() == ()
+  with nn.precision_policy(MIXED):
+    assert len(active_interceptors()) == 1
+    inside = str(jax.make_jaxpr(model.apply)(variables, TOKENS))
+  assert active_interceptors() == ()
+  assert inside != before
+  assert str(jax.make_jaxpr(model.apply)(variables, TOKENS)) == before
+
+
+def test_batchnorm_statistics_stay_f32():
+  x = jnp.linspace(-2, 3, 24).reshape(4, 6)
+
+  def run(lib, dt):
+    layer = lib.BatchNorm(use_running_average=False, **dt)
+    v = layer.init(jax.random.key(0), x)
+    return layer.apply(v, x, mutable=['batch_stats'])
+
+  y, stats = run(fnn, THREADED)
+  with nn.precision_policy(MIXED):
+    y2, stats2 = run(nn, {})
+  assert {s.dtype for s in jax.tree_util.tree_leaves(stats2)} == {
+      np.dtype(F32)}
+  assert_same_bits(stats, stats2)
+  assert_same_bits(y.astype(F32), y2)
+
+
+def test_fields_restored_after_the_call():
+  model = build(nn, {})
+  with nn.precision_policy(MIXED):
+    bound = model.bind(nn.Dense(2).init(jax.random.key(0), jnp.ones((1, 8))))
+  dense = nn.Dense(2).bind(
+      nn.Dense(2).init(jax.random.key(0), jnp.ones((1, 8))))
+  with nn.precision_policy(MIXED):
+    assert dense(jnp.ones((1, 8))).dtype == F32
+  assert dense.dtype is None and dense.param_dtype is F32
+  assert bound.scope is not None
+
+
+class Head(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(3, name='out')(x)
+
+
+class Net(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(4, name='body')(x)
+    return Head(name='head')(x)
+
+
+def run_net(policy, x=jnp.ones((1, 2))):
+  """The dtypes of Net's intermediates, params and output under ``policy``."""
+  with nn.precision_policy(policy):
+    y, v = Net().init_with_output(jax.random.key(0), x)
+    _, state = Net().apply(v, x, capture_intermediates=True)
+  inter = state['intermediates']
+  return {'body': inter['body']['__call__'][0].dtype,
+          'head/out': inter['head']['out']['__call__'][0].dtype,
+          'head': inter['head']['__call__'][0].dtype,
+          'y': y.dtype,
+          'params': {k: v['params'][k]['kernel'].dtype
+                     for k in ('body',)} | {
+                         'head/out': v['params']['head']['out']['kernel'].dtype}}
+
+
+def test_class_entry_and_output_cast_at_region_boundaries():
+  policy = {nn.Dense: nn.Precision(compute_dtype=BF16, output_dtype=F32)}
+  got = run_net(policy)
+  # Each Dense is its own region (its caller has no entry): its output is
+  # cast on exit, after computing in bf16.
+  assert got['body'] == got['head/out'] == got['head'] == got['y'] == F32
+  v = Net().init(jax.random.key(0), jnp.ones((1, 2)))
+
+  def run(v):
+    with nn.precision_policy(policy):
+      return Net().apply(v, jnp.ones((1, 2)))
+
+  eqns = jax.make_jaxpr(run)(v).jaxpr.eqns
+  dots = [e.outvars[0].aval.dtype for e in eqns
+          if e.primitive.name == 'dot_general']
+  assert dots == [BF16, BF16]
+
+
+def test_path_glob_beats_class_and_longer_glob_beats_shorter():
+  f16 = nn.Precision(compute_dtype=jnp.float16)
+  got = run_net({nn.Dense: nn.Precision(compute_dtype=BF16),
+                 'head*': nn.Precision(compute_dtype=F32),
+                 'head/out': f16})
+  assert got['body'] == BF16 and got['head/out'] == jnp.float16
+  got = run_net({nn.Module: nn.Precision(compute_dtype=BF16),
+                 'head*': nn.Precision(compute_dtype=F32)})
+  assert got['body'] == BF16 and got['head/out'] == F32
+
+
+def test_subclass_entry_beats_base_class():
+  class Wide(nn.Dense):
+    pass
+
+  class Two(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(2)(x), Wide(2)(x)
+
+  with nn.precision_policy({nn.Dense: nn.Precision(compute_dtype=BF16),
+                            Wide: nn.Precision(compute_dtype=jnp.float16)}):
+    (a, b), _ = Two().init_with_output(jax.random.key(0), jnp.ones((1, 2)))
+  assert a.dtype == BF16 and b.dtype == jnp.float16
+
+
+def test_inner_policy_wins_and_outer_fills_in():
+  outer = {'body': nn.Precision(compute_dtype=BF16),
+           'head/out': nn.Precision(compute_dtype=BF16)}
+  with nn.precision_policy(outer):
+    got = run_net({'head/*': nn.Precision(compute_dtype=jnp.float16)})
+  assert got['body'] == BF16 and got['head/out'] == jnp.float16
+
+
+def test_param_dtype_only():
+  got = run_net(nn.Precision(param_dtype=BF16))
+  assert got['params'] == {'body': BF16, 'head/out': BF16}
+  assert got['y'] == F32  # dtype=None: f32 inputs and bf16 params give f32
+
+
+def test_lifted_jit_cache_keys_on_the_policy():
+  JitNet = nn.jit(Net)
+  x = jnp.ones((1, 2))
+  v = JitNet().init(jax.random.key(0), x)
+  assert JitNet().apply(v, x).dtype == F32
+  with nn.precision_policy(nn.Precision(compute_dtype=BF16)):
+    assert JitNet().apply(v, x).dtype == BF16
+  with nn.precision_policy(nn.Precision(compute_dtype=BF16)):
+    assert JitNet().apply(v, x).dtype == BF16
+  assert JitNet().apply(v, x).dtype == F32
+
+
+def test_scan_under_policy_equals_linen_scan_threaded():
+  def build_scan(lib, dt):
+    class Cell(lib.Module):
+      @lib.compact
+      def __call__(self, c, _):
+        return lib.Dense(4, **dt)(lib.LayerNorm(**dt)(c)), None
+
+    class Loop(lib.Module):
+      @lib.compact
+      def __call__(self, x):
+        scan = lib.scan(Cell, variable_axes={'params': 0},
+                        split_rngs={'params': True}, length=3)
+        return scan()(x, None)[0]
+    return Loop()
+
+  x = jnp.linspace(0, 1, 8, dtype=BF16).reshape(2, 4)  # a bf16 carry
+  oracle = build_scan(fnn, THREADED)
+  v = oracle.init(jax.random.key(0), x)
+  model = build_scan(nn, {})
+  with nn.precision_policy(MIXED):
+    v2 = model.init(jax.random.key(0), x)
+    y2 = model.apply(v2, x)
+  assert_same_bits(v, v2)
+  assert_same_bits(oracle.apply(v, x).astype(F32), y2)
+
+
+@pytest.mark.parametrize('value, message', [
+    ('bfloat17', "compute_dtype='bfloat17'\\): not a dtype"),
+    (jnp.int32, 'expected a floating dtype.*got int32'),
+])
+def test_bad_dtype(value, message):
+  with pytest.raises(nn.PrecisionPolicyError, match=message):
+    nn.Precision(compute_dtype=value)
+
+
+def test_bad_mapping():
+  with pytest.raises(nn.PrecisionPolicyError, match='key 3: expected a '
+                     'Module subclass or a path glob'):
+    with nn.precision_policy({3: MIXED}):
+      pass
+  with pytest.raises(nn.PrecisionPolicyError,
+                     match="entry 'a/b': expected a Precision, got dict"):
+    with nn.precision_policy({'a/b': {}}):
+      pass
+  with pytest.raises(nn.PrecisionPolicyError, match='got str'):
+    with nn.precision_policy('bf16'):
+      pass
+
+
+def test_entering_inside_a_module_method_raises():
+  class Late(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Dense(2)(x)
+      with nn.precision_policy(MIXED):
+        return nn.Dense(2)(x)
+
+  with pytest.raises(nn.PrecisionPolicyError,
+                     match='entered inside a method of Late at /'):
+    Late().init(jax.random.key(0), jnp.ones((1, 2)))
+  assert active_interceptors() == ()
+
+
+def test_glob_that_matches_nothing_warns_once():
+  policy = {'decoder_unmatched/*': MIXED, 'head/*': MIXED}
+  with pytest.warns(nn.PrecisionPolicyWarning,
+                    match="'decoder_unmatched/\\*' matched no module") as rec:
+    run_net(policy)
+  assert len(rec) == 1
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    run_net(policy)
+
+
+def test_docstrings_run():
+  assert doctest.testmod(precision_lib).failed == 0
