@@ -224,36 +224,35 @@ class Net(nn.Module):
 
 
 def run_net(policy, x=jnp.ones((1, 2))):
-  """The dtypes of Net's intermediates, params and output under ``policy``."""
+  """Under ``policy``: the dtype each Dense computes in (its dot_general),
+  the kernels' dtypes and the output dtype; traced, not run."""
   with nn.precision_policy(policy):
-    y, v = Net().init_with_output(jax.random.key(0), x)
-    _, state = Net().apply(v, x, capture_intermediates=True)
-  inter = state['intermediates']
-  return {'body': inter['body']['__call__'][0].dtype,
-          'head/out': inter['head']['out']['__call__'][0].dtype,
-          'head': inter['head']['__call__'][0].dtype,
-          'y': y.dtype,
-          'params': {k: v['params'][k]['kernel'].dtype
-                     for k in ('body',)} | {
-                         'head/out': v['params']['head']['out']['kernel'].dtype}}
+    v = jax.eval_shape(Net().init, jax.random.key(0), x)
+    jaxpr = jax.make_jaxpr(lambda v: Net().apply(v, x))(v)
+  body, out = _dot_dtypes(jaxpr.jaxpr, [])
+  return {'body': body, 'head/out': out, 'y': jaxpr.out_avals[0].dtype,
+          'params': {'body': v['params']['body']['kernel'].dtype,
+                     'head/out': v['params']['head']['out']['kernel'].dtype}}
 
 
 def test_class_entry_and_output_cast_at_region_boundaries():
-  policy = {nn.Dense: nn.Precision(compute_dtype=BF16, output_dtype=F32)}
-  got = run_net(policy)
+  got = run_net({nn.Dense: nn.Precision(compute_dtype=BF16,
+                                        output_dtype=F32)})
+  assert got['body'] == got['head/out'] == BF16
   # Each Dense is its own region (its caller has no entry): its output is
-  # cast on exit, after computing in bf16.
-  assert got['body'] == got['head/out'] == got['head'] == got['y'] == F32
-  v = Net().init(jax.random.key(0), jnp.ones((1, 2)))
-
-  def run(v):
-    with nn.precision_policy(policy):
-      return Net().apply(v, jnp.ones((1, 2)))
-
-  eqns = jax.make_jaxpr(run)(v).jaxpr.eqns
-  dots = [e.outvars[0].aval.dtype for e in eqns
-          if e.primitive.name == 'dot_general']
-  assert dots == [BF16, BF16]
+  # cast on exit, so Head hands back f32 too.
+  assert got['y'] == F32
+  with nn.precision_policy({nn.Dense: nn.Precision(output_dtype=BF16)}):
+    x = jnp.ones((1, 2))
+    jaxpr = jax.make_jaxpr(lambda v: Net().apply(v, x))(
+        jax.eval_shape(Net().init, jax.random.key(0), x))
+  casts = [e.params['new_dtype'] for e in jaxpr.jaxpr.eqns
+           if e.primitive.name == 'convert_element_type']
+  # body's output to bf16, back to f32 where head/out (dtype=None) promotes
+  # it with its f32 kernel, head/out's output to bf16; none for Net or Head.
+  assert casts == [BF16, F32, BF16]
+  assert jaxpr.out_avals[0].dtype == BF16
+  assert got['params'] == {'body': F32, 'head/out': F32}
 
 
 def test_path_glob_beats_class_and_longer_glob_beats_shorter():
@@ -324,14 +323,16 @@ def test_scan_under_policy_equals_linen_scan_threaded():
     return Loop()
 
   x = jnp.linspace(0, 1, 8, dtype=BF16).reshape(2, 4)  # a bf16 carry
-  oracle = build_scan(fnn, THREADED)
-  v = oracle.init(jax.random.key(0), x)
-  model = build_scan(nn, {})
+  oracle, model = build_scan(fnn, THREADED), build_scan(nn, {})
+  shapes = jax.eval_shape(oracle.init, jax.random.key(0), x)
   with nn.precision_policy(MIXED):
-    v2 = model.init(jax.random.key(0), x)
-    y2 = model.apply(v2, x)
-  assert_same_bits(v, v2)
-  assert_same_bits(oracle.apply(v, x).astype(F32), y2)
+    assert jax.eval_shape(model.init, jax.random.key(0), x) == shapes
+  params = jax.tree_util.tree_map(
+      lambda s: np.cos(np.arange(s.size, dtype=np.float32)).reshape(s.shape),
+      shapes)
+  y = jax.jit(lambda v: oracle.apply(v, x).astype(F32))(params)
+  with nn.precision_policy(MIXED):
+    assert_same_bits(y, jax.jit(lambda v: model.apply(v, x))(params))
 
 
 @pytest.mark.parametrize('value, message', [
@@ -384,3 +385,34 @@ def test_glob_that_matches_nothing_warns_once():
 
 def test_docstrings_run():
   assert doctest.testmod(precision_lib).failed == 0
+
+
+def _dot_dtypes(jaxpr, found):
+  """The output dtypes of every dot_general in ``jaxpr`` and its
+  sub-jaxprs (scan and remat bodies)."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'dot_general':
+      found.append(eqn.outvars[0].aval.dtype)
+    for param in eqn.params.values():
+      inner = getattr(param, 'jaxpr', param)
+      if hasattr(inner, 'eqns'):
+        _dot_dtypes(inner, found)
+  return found
+
+
+def test_lm_demo_with_stack_computes_in_bf16():
+  """The policy reaches inside nn.Stack (scan + remat), SelfAttention and
+  Embed.attend of the demo LM, with no change to its code."""
+  from examples.lm import model as lm
+  config = lm.Config(num_layers=2, d_model=16, num_heads=2, max_len=8)
+  model = lm.TransformerLM(config)
+  tokens = jnp.zeros((2, 8), jnp.int32)
+  with nn.precision_policy(MIXED):
+    variables = jax.eval_shape(model.init, jax.random.key(0), tokens)
+    jaxpr = jax.make_jaxpr(lambda v: model.apply(v, tokens))(variables)
+  assert {v.dtype for v in jax.tree_util.tree_leaves(variables)} == {
+      np.dtype(F32)}
+  # qkv and out projections, the two attention products, two MLP layers,
+  # and the tied output projection.
+  assert _dot_dtypes(jaxpr.jaxpr, []) == [BF16] * 9
+  assert jaxpr.out_avals[0].dtype == F32
