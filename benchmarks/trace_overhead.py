@@ -3,7 +3,14 @@ vs hand-written JAX, in one process.
 
 Model: ``depth`` blocks of LayerNorm -> Dense(4H) -> gelu -> Dense(H) with a
 residual connection, batch 8. Figures: time to trace ``apply`` and ``init``
-to a jaxpr (``jax.make_jaxpr``), and the compiled apply step time.
+to a jaxpr (``jax.make_jaxpr``), the primitives each trace binds, and the
+compiled apply step time. Apply traces are timed interleaved (one call of
+each row per round), so load on the machine hits every row alike.
+
+The bf16 rows trace the same model computing in bfloat16 with float32
+parameters: liftmods and flax.linen with ``dtype``/``param_dtype`` passed to
+every layer, and liftmods under ``nn.precision_policy`` with the layers
+unchanged (the policy's cost is the difference between those two rows).
 
 The hand-written apply computes exactly what the layers compute (the same
 XLA program; checked bit for bit at start-up), so its ratio isolates the
@@ -13,9 +20,13 @@ init+forward next to parameter-only init.
 
   python -m benchmarks.trace_overhead --depth=24 --hidden=256 --repeats=7
 """
+import statistics
+import time
+
 from absl import app, flags
 import flax.linen as fnn
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 import liftmods as lnn
@@ -29,18 +40,19 @@ flags.DEFINE_integer('step_repeats', 50, 'timed repetitions of the compiled step
 F = flags.FLAGS
 
 
-def build(nn):
-  """The benchmark model written once against a Linen-style namespace."""
+def build(nn, **layer_kwargs):
+  """The benchmark model written once against a Linen-style namespace;
+  ``layer_kwargs`` (e.g. ``dtype=``) go to every layer."""
 
   class Block(nn.Module):
     hidden: int
 
     @nn.compact
     def __call__(self, x):
-      h = nn.LayerNorm()(x)
-      h = nn.Dense(4 * self.hidden)(h)
+      h = nn.LayerNorm(**layer_kwargs)(x)
+      h = nn.Dense(4 * self.hidden, **layer_kwargs)(h)
       h = nn.gelu(h)
-      return x + nn.Dense(self.hidden)(h)
+      return x + nn.Dense(self.hidden, **layer_kwargs)(h)
 
   class Net(nn.Module):
     depth: int
@@ -101,6 +113,41 @@ def as_hand_params(variables, depth):
            'b2': p[f'Block_{i}']['Dense_1']['bias']} for i in range(depth)]
 
 
+def bound_primitives(fn) -> int:
+  """How many primitives ``fn()`` binds (every ``Primitive.bind``, nested
+  ones included), counted by wrapping ``bind`` for the call."""
+  primitive = jax.extend.core.Primitive
+  original = primitive.bind
+  count = 0
+
+  def counting_bind(self, *args, **params):
+    nonlocal count
+    count += 1
+    return original(self, *args, **params)
+
+  primitive.bind = counting_bind
+  try:
+    fn()
+  finally:
+    primitive.bind = original
+  return count
+
+
+def time_interleaved(fns: dict, repeats: int) -> list:
+  """``[(label, {'best', 'median'})]`` with one call of every ``fn`` per
+  round, after one warm-up round."""
+  for fn in fns.values():
+    fn()
+  times = {label: [] for label in fns}
+  for _ in range(repeats):
+    for label, fn in fns.items():
+      start = time.perf_counter()
+      fn()
+      times[label].append(time.perf_counter() - start)
+  return [(label, {'best': min(t), 'median': statistics.median(t)})
+          for label, t in times.items()]
+
+
 def main(_):
   depth, hidden = F.depth, F.hidden
   x = jnp.ones((F.batch, hidden))
@@ -118,8 +165,24 @@ def main(_):
     # A fresh wrapper per call defeats jax's trace cache: we time tracing.
     return lambda: jax.make_jaxpr(lambda *a: f(*a))(*args) and 0
 
-  apply_rows = [('hand-written JAX', common.time_calls(
-      trace(hand_apply, hand_params, x), F.repeats))]
+  bf16 = {'dtype': jnp.bfloat16, 'param_dtype': jnp.float32}
+  policy = lnn.Precision(compute_dtype=jnp.bfloat16, param_dtype=jnp.float32)
+  threaded = {'liftmods': build(lnn, **bf16)(depth, hidden),
+              'flax.linen': build(fnn, **bf16)(depth, hidden)}
+
+  def under_policy(*args):
+    with lnn.precision_policy(policy):
+      return models['liftmods'].apply(*args)
+
+  apply_fns = {'hand-written JAX': trace(hand_apply, hand_params, x)}
+  for name, m in models.items():
+    apply_fns[name] = trace(m.apply, variables[name], x)
+  for name, m in threaded.items():
+    apply_fns[f'{name} bf16 threaded'] = trace(m.apply, variables[name], x)
+  apply_fns['liftmods bf16 policy'] = trace(under_policy,
+                                            variables['liftmods'], x)
+  apply_rows = time_interleaved(apply_fns, F.repeats)
+  binds = {label: bound_primitives(fn) for label, fn in apply_fns.items()}
   def hand_init_with_output(k):
     params = hand_init(k, x, depth, hidden)
     return hand_apply(params, x), params
@@ -129,12 +192,13 @@ def main(_):
                ('hand init+forward', common.time_calls(
                    trace(hand_init_with_output, key), F.repeats))]
   for name, m in models.items():
-    apply_rows.append((name, common.time_calls(
-        trace(m.apply, variables[name], x), F.repeats)))
     init_rows.append((name, common.time_calls(
         trace(m.init, key, x), F.repeats)))
   common.print_table(f'apply trace (depth={depth}, H={hidden})', apply_rows,
                      'hand-written JAX')
+  print('\nprimitives bound per apply trace (after a warm-up trace)')
+  for label, count in binds.items():
+    print(f'  {label:<28}{count:>8}')
   common.print_table(f'init trace (depth={depth}, H={hidden})', init_rows,
                      'hand-written JAX')
 
@@ -160,6 +224,10 @@ def main(_):
         f'flax/liftmods = {common.ratio(init_rows, "flax.linen", "liftmods"):.2f}x')
   print(f'  compiled step liftmods/flax = '
         f'{common.ratio(step_rows, "liftmods", "flax.linen"):.3f}')
+  print(f'  bf16 apply trace  policy/threaded (liftmods) = '
+        f'{common.ratio(apply_rows, "liftmods bf16 policy", "liftmods bf16 threaded"):.2f}x   '
+        f'liftmods policy/hand (f32) = '
+        f'{common.ratio(apply_rows, "liftmods bf16 policy", "hand-written JAX"):.2f}x')
 
 
 if __name__ == '__main__':
