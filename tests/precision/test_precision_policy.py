@@ -416,3 +416,23 @@ def test_lm_demo_with_stack_computes_in_bf16():
   # and the tied output projection.
   assert _dot_dtypes(jaxpr.jaxpr, []) == [BF16] * 9
   assert jaxpr.out_avals[0].dtype == F32
+
+
+def test_entry_overrides_a_dtype_the_code_gave():
+  class Fixed(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(2, dtype=F32, name='head')(x)
+
+  x = jnp.ones((1, 2))
+  v = jax.eval_shape(Fixed().init, jax.random.key(0), x)
+
+  def dots(policy):
+    with nn.precision_policy(policy):
+      jaxpr = jax.make_jaxpr(lambda v: Fixed().apply(v, x))(v)
+    return _dot_dtypes(jaxpr.jaxpr, [])
+
+  assert dots({}) == [F32]
+  assert dots(nn.Precision(compute_dtype=BF16)) == [BF16]
+  assert dots({nn.Module: nn.Precision(compute_dtype=BF16),
+               'head': nn.Precision(compute_dtype=F32)}) == [F32]
