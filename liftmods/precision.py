@@ -281,12 +281,17 @@ class _PolicyInterceptor:
         _warned.add(pattern)
         warnings.warn(PrecisionPolicyWarning(
             f'precision_policy: the path glob {pattern!r} matched no module '
-            'path in this block (paths look like "Block_0/Dense_1"). If no '
-            'module ran at all, a function jitted before the block may have '
-            'reused its earlier trace; see docs/precision.md.'), stacklevel=4)
+            'path in this block (paths look like "Block_0/Dense_1", '
+            'without a leading slash); see docs/precision.md.'), stacklevel=4)
 
 
 _warned: set = set()
+
+# The active policy as part of jax.jit's cache key, so that a function
+# jitted outside a policy block is traced again inside it (and vice versa).
+# A jax without user contexts reuses the earlier trace.
+_make_user_context = getattr(jax, 'make_user_context', None)
+_JIT_KEY = _make_user_context(None) if _make_user_context else None
 
 
 @contextlib.contextmanager
@@ -303,10 +308,11 @@ def precision_policy(policy):
   modules no entry matches run as written.
 
   The policy is read while a module method is traced, so enter it around
-  ``init`` / ``apply`` (inside a ``jax.jit``-ed step is fine). A function
-  jitted by ``jax.jit`` before the block keeps its earlier trace; lifted
-  ``nn.jit`` keys its cache on the active policy. Entering a policy while a
-  module method runs (part of the model already traced without it) raises
+  ``init`` / ``apply`` (inside a ``jax.jit``-ed step is fine). It is part
+  of ``jax.jit``'s cache key (through ``jax.make_user_context``) and of
+  lifted ``nn.jit``'s, so a function jitted outside the block is traced
+  again inside it. Entering a policy while a module method runs (part of
+  the model already traced without it) raises
   :class:`PrecisionPolicyError`. A path glob that matched no module warns
   once (:class:`PrecisionPolicyWarning`) when the block ends.
 
@@ -332,8 +338,10 @@ def precision_policy(policy):
     interceptor = _PolicyInterceptor(_Rules(policy, enclosing.rules),
                                      enclosing.seen)
   _local.policies.append(interceptor)
+  jit_key = (_JIT_KEY(interceptor.rules.key) if _JIT_KEY is not None
+             else contextlib.nullcontext())
   try:
-    with intercept_methods(interceptor):
+    with intercept_methods(interceptor), jit_key:
       yield
   finally:
     _local.policies.pop()

@@ -436,3 +436,17 @@ def test_entry_overrides_a_dtype_the_code_gave():
   assert dots(nn.Precision(compute_dtype=BF16)) == [BF16]
   assert dots({nn.Module: nn.Precision(compute_dtype=BF16),
                'head': nn.Precision(compute_dtype=F32)}) == [F32]
+
+
+def test_jax_jit_traces_again_when_the_policy_changes():
+  x = jnp.ones((1, 2))
+  v = jax.eval_shape(Net().init, jax.random.key(0), x)
+  v = jax.tree_util.tree_map(lambda s: jnp.ones(s.shape, s.dtype), v)
+  apply = jax.jit(Net().apply)
+  bf16 = nn.Precision(compute_dtype=BF16)
+  assert apply(v, x).dtype == F32
+  with nn.precision_policy(bf16):
+    assert apply(v, x).dtype == BF16
+    lowered = apply.lower(v, x)
+  assert apply(v, x).dtype == F32
+  assert lowered.compile()(v, x).dtype == BF16
