@@ -450,3 +450,22 @@ def test_jax_jit_traces_again_when_the_policy_changes():
     lowered = apply.lower(v, x)
   assert apply(v, x).dtype == F32
   assert lowered.compile()(v, x).dtype == BF16
+
+
+def test_equal_policies_share_jit_cache_entries():
+  traces = []
+
+  def apply(v, x):
+    traces.append(None)
+    return nn.Dense(2).apply(v, x)
+
+  apply = jax.jit(apply)
+  x = jnp.ones((1, 2))
+  v = {'params': {'kernel': jnp.ones((2, 2)), 'bias': jnp.zeros(2)}}
+  for _ in range(3):
+    with nn.precision_policy(nn.Precision(compute_dtype=BF16)):
+      assert apply(v, x).dtype == BF16
+  assert len(traces) == 1
+  with nn.precision_policy(nn.Precision(compute_dtype=jnp.float16)):
+    assert apply(v, x).dtype == jnp.float16
+  assert len(traces) == 2
