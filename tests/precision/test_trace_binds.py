@@ -25,7 +25,7 @@ def warm_count(fn, *args):
 
 def test_module_binds_what_the_hand_written_function_binds():
   model = bench.build(nn)(DEPTH, HIDDEN)
-  variables = model.init(jax.random.key(0), X)
+  variables = jax.eval_shape(model.init, jax.random.key(0), X)
   hand = warm_count(bench.hand_apply, bench.as_hand_params(variables, DEPTH),
                     X)
   assert warm_count(model.apply, variables, X) == hand
@@ -36,7 +36,7 @@ def test_policy_binds_what_threaded_dtypes_bind():
   model = bench.build(nn)(DEPTH, HIDDEN)
   threaded = bench.build(nn, dtype=jnp.bfloat16,
                          param_dtype=jnp.float32)(DEPTH, HIDDEN)
-  variables = model.init(jax.random.key(0), X)
+  variables = jax.eval_shape(model.init, jax.random.key(0), X)
   policy = nn.Precision(compute_dtype=jnp.bfloat16, param_dtype=jnp.float32)
 
   def under_policy(v, x):
