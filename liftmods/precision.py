@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from liftmods import errors
-from liftmods.module import (Module, current_module, intercept_methods)
+from liftmods.module import Module, current_module, intercept_methods
 
 __all__ = ['Precision', 'PrecisionPolicyError', 'PrecisionPolicyWarning',
            'precision_policy']
@@ -141,6 +141,9 @@ class _Rules:
           f'{type(spec).__name__}.')
     self.key = (tuple(self.paths), tuple(self.classes.items()),
                 outer.key if outer is not None else None)
+    # A small int standing for ``key``: jax hashes the jit-key context on
+    # every jitted call inside the block, so it must be cheap to hash.
+    self.number = _KEY_NUMBERS.setdefault(self.key, len(_KEY_NUMBERS))
 
   def _add_entries(self, spec):
     ranked = []
@@ -187,6 +190,7 @@ class _Rules:
 
 
 _dtype_fields: dict = {}
+_KEY_NUMBERS: dict = {}  # policy key -> the number standing for it
 
 
 def _settable_fields(cls) -> tuple:
@@ -230,11 +234,11 @@ class _PolicyInterceptor:
     self.resolved = {}  # (class, path) -> (entry, Precision)
 
   def __hash__(self):
-    return hash(self.rules.key)
+    return self.rules.number
 
   def __eq__(self, other):
     return (isinstance(other, _PolicyInterceptor)
-            and other.rules.key == self.rules.key)
+            and other.rules.number == self.rules.number)
 
   def __call__(self, next_fun, args, kwargs, context):
     module = context.module
@@ -338,7 +342,7 @@ def precision_policy(policy):
     interceptor = _PolicyInterceptor(_Rules(policy, enclosing.rules),
                                      enclosing.seen)
   _local.policies.append(interceptor)
-  jit_key = (_JIT_KEY(interceptor.rules.key) if _JIT_KEY is not None
+  jit_key = (_JIT_KEY(interceptor.rules.number) if _JIT_KEY is not None
              else contextlib.nullcontext())
   try:
     with intercept_methods(interceptor), jit_key:
