@@ -143,7 +143,8 @@ class _Rules:
                 outer.key if outer is not None else None)
     # A small int standing for ``key``: jax hashes the jit-key context on
     # every jitted call inside the block, so it must be cheap to hash.
-    self.number = _KEY_NUMBERS.setdefault(self.key, len(_KEY_NUMBERS))
+    with _KEY_LOCK:
+      self.number = _KEY_NUMBERS.setdefault(self.key, len(_KEY_NUMBERS))
 
   def _add_entries(self, spec):
     ranked = []
@@ -191,6 +192,7 @@ class _Rules:
 
 _dtype_fields: dict = {}
 _KEY_NUMBERS: dict = {}  # policy key -> the number standing for it
+_KEY_LOCK = threading.Lock()
 
 
 def _settable_fields(cls) -> tuple:
