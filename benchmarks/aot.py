@@ -84,6 +84,8 @@ def topology_devices(topology: str) -> list:
   # these keep it from querying (and warning about) hostnames.
   os.environ.setdefault('TPU_ACCELERATOR_TYPE', 'v5litepod-4')
   os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
+  # Compiling needs no TPU, so several processes (test workers) may load it.
+  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   return list(topologies.get_topology_desc(
       platform='tpu', topology_name=topology).devices)
@@ -146,7 +148,7 @@ class Report:
     if self.needs_gib is not None:
       return (f'does not fit: needs {self.needs_gib:.2f} of '
               f'{self.available_gib:.2f} GiB')
-    return f'failed: {self.error[:120]}'
+    return f'not compiled: {self.error[:120]}'
 
 
 _SIZE = r'([\d.]+)([KMGT]?)'
