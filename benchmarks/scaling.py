@@ -66,8 +66,8 @@ LINEN_POLICIES = ('none', 'full', 'named', 'nested')
 # (size, slice, sharding, per-chip batch, policies): the default rows.
 DEFAULT_ROWS = (
     ('1b', 'v5e:4x4', 'fsdp', 4, ('full',)),
-    ('8b', 'v5e:4x4', 'fsdp', 1, ('full',)),
-    ('70b', 'v5e:16x16', 'fsdp', 2, ('full', 'nested', 'offload')),
+    ('70b', 'v5e:16x16', 'fsdp', 1,
+     ('full', 'nested', 'offload', 'nested_offload')),
 )
 FULL_SLICES = ('v5e:4x4', 'v5e:16x16', 'v5p:4x4x8', 'v5p:8x8x16')
 
@@ -112,6 +112,14 @@ def groups(length: int) -> int:
              key=lambda g: abs(g - length**0.5))
 
 
+def batch_split(stack):
+  """``stack`` with its input and output split over the batch: under FSDP
+  the parameters' ``embed`` axis shares the data axis, and without this
+  GSPMD may keep whole activations on every chip."""
+  split = lambda x: jax.lax.with_sharding_constraint(x, PartitionSpec('data'))
+  return lambda x, train: split(stack(split(x), train))
+
+
 def liftmods_stack(policy):
   spec = {
       'none': None, 'full': 'full', 'nested': 'nested', 'offload': 'offload',
@@ -120,8 +128,8 @@ def liftmods_stack(policy):
   }[policy]
 
   def make(config, decode, name):
-    return lnn.Stack(lm.Block, config.num_layers, policy=spec)(
-        config, decode, name=name)
+    return batch_split(lnn.Stack(lm.Block, config.num_layers, policy=spec)(
+        config, decode, name=name))
 
   return make
 
@@ -145,7 +153,7 @@ def linen_stack(policy):
       stacked = fnn.remat_scan(
           Body, lengths=(g, config.num_layers // g),
           split_rngs={'params': True, 'dropout': True})(config, name=name)
-      return lambda x, train: stacked(x)
+      return batch_split(lambda x, train: stacked(x))
 
     class Body(block):  # pylint: disable=function-redefined
       def __call__(self, x, train):
@@ -163,7 +171,7 @@ def linen_stack(policy):
                        in_axes=(fnn.broadcast,), length=config.num_layers,
                        metadata_params={fnn.PARTITION_NAME: 'layers'})(
                            config, False, name=name)
-    return lambda x, train: scanned(x, train)[0]
+    return batch_split(lambda x, train: scanned(x, train)[0])
 
   return make
 
@@ -210,8 +218,11 @@ class Row:
   model_flops: float
 
 
-def compile_row(size, topology, sharding, library, policy, chip_batch):
-  cfg = config(size)
+def compile_row(size, topology, sharding, library, policy, chip_batch,
+                cfg=None):
+  """One row: the train step compiled for ``topology`` (``cfg`` overrides
+  the size's config)."""
+  cfg = cfg or config(size)
   axes, rules = SHARDINGS[sharding]
   mesh = aot.topology_mesh(topology, axes)
   batch = chip_batch * mesh.size
