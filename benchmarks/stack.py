@@ -27,6 +27,13 @@ bytes > 0 and device temp below the on-device row are the figures:
 
   python -m benchmarks.stack --rows=liftmods_full,liftmods_save_named,\
       liftmods_nested,offload_carries,offload_named,offload_nested
+
+With ``--topology`` (``benchmarks/aot.py``) every row is compiled for that
+TPU slice instead (batch split over all its chips, parameters replicated)
+and the compiled figures are printed; on TPU the H=64, batch 2,048 default
+fits in on-chip memory, so use shapes that leave it:
+
+  python -m benchmarks.stack --topology=v5e:2x2 --hidden=512 --batch=16384
 """
 import time
 import warnings
@@ -36,7 +43,9 @@ import flax.linen as fnn
 import jax
 from jax import lax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
+from benchmarks import aot
 import liftmods as lnn
 
 flags.DEFINE_integer('depth', 64, 'number of blocks D')
@@ -215,9 +224,58 @@ PAIRS = (  # (liftmods row, equivalent row)
 )
 
 
+def remat_scan_layout(variables, depth):
+  """The ``(8, D/8, ...)`` parameter layout of ``nn.remat_scan((8, D/8))``."""
+  return {'params': {'blocks': jax.tree_util.tree_map(
+      lambda a: a.reshape((8, depth // 8) + a.shape[1:]),
+      variables['params']['blocks'])}}
+
+
+def compile_for_topology(depth, hidden):
+  """Every row compiled for ``--topology``: the batch split over all chips,
+  the parameters replicated; returns ``{label: aot.Report}``."""
+  mesh = aot.topology_mesh(F.topology, {'data': -1})
+  replicated = NamedSharding(mesh, PartitionSpec())
+  x = jax.ShapeDtypeStruct((F.batch, hidden), jnp.float32,
+                           sharding=NamedSharding(mesh, PartitionSpec('data')))
+  reports = {}
+  for label, d, model in rows(depth, hidden):
+    if F.rows and label not in F.rows:
+      continue
+    v = jax.eval_shape(stack_net(d, hidden).init, jax.random.key(0),
+                       jax.ShapeDtypeStruct((1, hidden), jnp.float32))
+    if label.startswith('linen_remat_scan'):
+      v = jax.eval_shape(lambda v, d=d: remat_scan_layout(v, d), v)
+    v = aot.abstract(v, replicated)
+    grad = jax.grad(lambda v, x, model=model: jnp.mean(model.apply(v, x)))
+
+    def lower(grad=grad, v=v):
+      with jax.set_mesh(mesh):
+        return jax.jit(grad).lower(v, x)
+
+    reports[label], _ = aot.compile_report(f'{label} (D={d})', lower)
+    print(aot.table_row(reports[label]), flush=True)
+  return reports
+
+
+def aot_main(depth, hidden):
+  print(f'topology={F.topology} D={depth} H={hidden} batch={F.batch} f32; '
+        'compiled gradient, per device')
+  reports = compile_for_topology(depth, hidden)
+  aot.print_table('Stacks compiled for ' + F.topology, reports.values())
+  print('\nliftmods vs equivalent (device temp ratio; host MiB)')
+  for a, b in PAIRS:
+    if a in reports and b in reports and reports[a].fits and reports[b].fits:
+      ra, rb = reports[a], reports[b]
+      print(f'  {a} / {b}: temp {ra.temp / max(rb.temp, 1):.2f}x, host '
+            f'{ra.host / MIB:.1f} vs {rb.host / MIB:.1f} MiB')
+
+
 def main(argv):
   del argv
   depth, hidden = F.depth, F.hidden
+  if F.topology:
+    return aot_main(depth, hidden)
   x = jax.random.normal(jax.random.key(1), (F.batch, hidden), jnp.float32)
   print(f'backend={jax.default_backend()} D={depth} H={hidden} '
         f'batch={F.batch} f32; temp = compiled grad temp bytes')
@@ -229,9 +287,7 @@ def main(argv):
       variables[d] = stack_net(d, hidden).init(jax.random.key(0), x[:1])
     v = variables[d]
     if label.startswith('linen_remat_scan'):  # its own (8, D/8, ...) layout
-      v = {'params': {'blocks': jax.tree_util.tree_map(
-          lambda a: a.reshape((8, d // 8) + a.shape[1:]),
-          v['params']['blocks'])}}
+      v = remat_scan_layout(v, d)
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter('always', lnn.StackOffloadWarning)
       temp, host, compile_s, fn = measure(model, v, x)

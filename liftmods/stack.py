@@ -50,6 +50,7 @@ OUTPUTS = 'stack_outputs'
 GROUP_CARRY = 'stack_group_carry'
 
 _SAVE_FLAGS = (True, False, 'offload')
+_PINNED_HOST_PLATFORMS = ('tpu', 'gpu', 'cuda', 'rocm')
 
 
 class StackOffloadWarning(UserWarning):
@@ -194,9 +195,29 @@ class StackPolicy:
     return policy
 
 
+def target_platform() -> str:
+  """The platform of the devices the program being traced is for.
+
+  That is the platform of the mesh set with ``jax.set_mesh`` (or
+  ``jax.sharding.use_abstract_mesh``) when the mesh names its devices, so a
+  program traced under a mesh of ``jax.experimental.topologies`` TPU devices
+  targets ``'tpu'`` on a CPU-only machine; without such a mesh, the default
+  backend.
+
+  >>> target_platform() == jax.default_backend()
+  True
+  """
+  device = getattr(meta.get_global_mesh(), 'abstract_device', None)
+  return jax.default_backend() if device is None else device.platform
+
+
 def offload_supported() -> bool:
-  """Whether the default backend has a host memory space distinct from the
-  device's. XLA:CPU lists one but keeps every buffer in device memory."""
+  """Whether the target devices (see ``target_platform``) have a host memory
+  space distinct from the device's. XLA:CPU lists one but keeps every buffer
+  in device memory; TPUs and GPUs have pinned host memory."""
+  device = getattr(meta.get_global_mesh(), 'abstract_device', None)
+  if device is not None:
+    return device.platform in _PINNED_HOST_PLATFORMS
   if jax.default_backend() == 'cpu':
     return False
   kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
@@ -278,10 +299,12 @@ def _stack_transform(layer_fn, *, length, policy, mode, unroll,
     if not offload:
       warnings.warn(
           f'Stack at {path}: the policy offloads {policy.offloaded_names()} '
-          f'to pinned host memory, but the {jax.default_backend()} backend '
-          'has no host memory space separate from the device (XLA:CPU keeps '
-          'everything in device memory); keeping these values in device '
-          'memory instead.', StackOffloadWarning, stacklevel=4)
+          f'to pinned host memory, but the target platform '
+          f'({target_platform()}) has no host memory space separate from the '
+          'device (XLA:CPU keeps everything in device memory); keeping these '
+          'values in device memory instead. To compile for other devices, '
+          'trace under jax.set_mesh(mesh) with a mesh of those devices.',
+          StackOffloadWarning, stacklevel=4)
   in_loop = mode == 'scan'
   jax_policy = policy.jax_policy(offload) if policy is not None else None
 

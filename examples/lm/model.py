@@ -17,7 +17,9 @@ parameters directly in their shards and a step can run on a device mesh;
 :data:`LOGICAL_RULES` maps the names onto a ``('data', 'model')`` mesh.
 """
 import dataclasses
+from typing import Any, Callable
 
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 import liftmods as nn
@@ -57,8 +59,10 @@ class Mlp(nn.Module):
     cfg = self.config
     h = nn.Dense(cfg.d_model * cfg.mlp_ratio, name='fc',
                  kernel_init=_named(_KERNEL, 'embed', 'mlp'))(x)
+    # The name lets a remat policy keep (or offload) this activation.
+    h = checkpoint_name(nn.gelu(h), 'mlp_up')
     h = nn.Dense(cfg.d_model, name='proj',
-                 kernel_init=_named(_KERNEL, 'mlp', 'embed'))(nn.gelu(h))
+                 kernel_init=_named(_KERNEL, 'mlp', 'embed'))(h)
     return nn.Dropout(cfg.dropout_rate, deterministic=not train)(h)
 
 
@@ -119,10 +123,13 @@ class TransformerLM(nn.Module):
 
   The output projection is the token embedding itself (``Embed.attend``).
   With ``decode=True`` it takes one token per call (``[batch, 1]``) and
-  keeps its position and the attention caches in ``'cache'``.
+  keeps its position and the attention caches in ``'cache'``. ``stack_fn``
+  (default :func:`stack`) builds the layer stack, with the signature of
+  :func:`stack`; ``benchmarks/scaling.py`` passes other remat policies.
   """
   config: Config
   decode: bool = False
+  stack_fn: Callable[..., Any] | None = None
 
   @nn.compact
   def __call__(self, tokens, train: bool = False):
@@ -131,7 +138,7 @@ class TransformerLM(nn.Module):
                      embedding_init=_named(_EMBED, 'vocab', 'embed'))
     x = embed(tokens) + self.positions(tokens)
     x = nn.Dropout(cfg.dropout_rate, deterministic=not train)(x)
-    x = stack(cfg, self.decode, name='blocks')(x, train)
+    x = (self.stack_fn or stack)(cfg, self.decode, name='blocks')(x, train)
     return embed.attend(nn.LayerNorm(name='ln_out')(x))
 
   def positions(self, tokens):

@@ -1,0 +1,246 @@
+r"""Ahead-of-time compilation for a TPU slice, shared by the benchmark binaries.
+
+With ``--topology=v5e:16x16`` (any name
+``jax.experimental.topologies.get_topology_desc`` accepts) a binary lowers
+and *compiles* its programs for that slice instead of running them: no TPU
+is needed, only ``libtpu`` (``pip install -e '.[tpu]'``). The compiled
+program's ``memory_analysis()`` and ``cost_analysis()`` give, per device:
+
+- arg / out / alias / temp MiB: arguments, outputs, outputs that reuse
+  donated argument buffers, and XLA temporaries in device memory (HBM);
+- host MiB: bytes placed in pinned host memory (host offload);
+- peak MiB: arg + out - alias + temp, the device memory the step needs;
+- code MiB: size of the generated program;
+- GFLOP and GB accessed: the compiler's counts for one step on one device;
+- est. s: XLA's cost-model estimate of the step's seconds. It is the
+  compiler's model, not a measurement; ``n/a`` where XLA gives none (or a
+  negative placeholder, as it does for some loops);
+- compile s: lowering + compilation on this machine.
+
+A program whose memory exceeds the chip's HBM is refused by the TPU compiler
+(``RESOURCE_EXHAUSTED``); ``compile_report`` turns that into a row reading
+"does not fit: needs X of Y GiB" with the figures from the error.
+
+  python -m benchmarks.stack --topology=v5e:2x2 --hidden=512 --batch=16384
+"""
+import dataclasses
+import importlib.util
+import math
+import os
+import re
+import time
+
+from absl import flags
+import jax
+import numpy as np
+
+flags.DEFINE_string(
+    'topology', '', 'compile for this TPU slice instead of running, e.g. '
+    'v5e:2x2, v5e:16x16, v5p:8x8x16 (needs libtpu: pip install -e ".[tpu]")')
+
+MIB = 2.0**20
+GIB = 2.0**30
+
+# Per-chip peak dense bf16 FLOP/s and HBM capacity, from the Cloud TPU system
+# architecture pages (cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e).
+CHIPS = {
+    'v4': dict(peak_flops=275e12, hbm_gib=32),
+    'v5e': dict(peak_flops=197e12, hbm_gib=16),
+    'v5p': dict(peak_flops=459e12, hbm_gib=95),
+    'v6e': dict(peak_flops=918e12, hbm_gib=32),
+}
+
+
+class LibtpuMissingError(RuntimeError):
+  """``--topology`` was given but libtpu is not installed."""
+
+
+def libtpu_available() -> bool:
+  """Whether the TPU compiler (libtpu) can be loaded in this environment."""
+  return importlib.util.find_spec('libtpu') is not None
+
+
+def chip(topology: str) -> dict:
+  """Peak FLOP/s and HBM GiB of the chip named by ``topology`` ('v5e:2x2')."""
+  name = topology.split(':')[0].split('-')[0]
+  if name not in CHIPS:
+    raise ValueError(f'topology {topology!r}: unknown chip {name!r}; known: '
+                     f'{sorted(CHIPS)}.')
+  return CHIPS[name]
+
+
+def topology_devices(topology: str) -> list:
+  """The abstract TPU devices of ``topology`` (compile-only, no TPU needed).
+
+  Raises LibtpuMissingError naming what to install when libtpu is absent.
+  """
+  if not libtpu_available():
+    raise LibtpuMissingError(
+        f'--topology={topology} compiles for a TPU slice and needs the TPU '
+        'compiler: pip install -e ".[tpu]" (or pip install "jax[tpu]" at '
+        f'the installed JAX version, {jax.__version__}); make venv-tpu '
+        'creates such an environment.')
+  # libtpu looks for TPU metadata on start-up; on a machine without TPUs
+  # these keep it from querying (and warning about) hostnames.
+  os.environ.setdefault('TPU_ACCELERATOR_TYPE', 'v5litepod-4')
+  os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
+  # Compiling needs no TPU, so several processes (test workers) may load it.
+  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  return list(topologies.get_topology_desc(
+      platform='tpu', topology_name=topology).devices)
+
+
+def topology_mesh(topology: str, axes: dict) -> jax.sharding.Mesh:
+  """A mesh over the devices of ``topology``; ``axes`` maps axis names to
+  sizes, one of which may be -1 (the rest of the devices)."""
+  devices = topology_devices(topology)
+  sizes = list(axes.values())
+  if sizes.count(-1) == 1:
+    known = math.prod(s for s in sizes if s != -1)
+    sizes[sizes.index(-1)] = len(devices) // known
+  if math.prod(sizes) != len(devices):
+    raise ValueError(f'mesh {dict(zip(axes, sizes))} needs {math.prod(sizes)} '
+                     f'devices; {topology} has {len(devices)}.')
+  auto = (jax.sharding.AxisType.Auto,) * len(sizes)
+  return jax.sharding.Mesh(np.array(devices).reshape(sizes), tuple(axes),
+                           axis_types=auto)
+
+
+def abstract(tree, shardings):
+  """``ShapeDtypeStruct``s of ``tree`` (arrays or shape structs) carrying
+  ``shardings`` (a matching tree, or one sharding for every leaf)."""
+  if isinstance(shardings, jax.sharding.Sharding):
+    return jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shardings),
+        tree)
+  return jax.tree_util.tree_map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree,
+      shardings)
+
+
+@dataclasses.dataclass
+class Report:
+  """Compiled-program figures for one row (per device; bytes)."""
+  label: str
+  compile_s: float
+  fits: bool = True
+  argument: int = 0
+  output: int = 0
+  alias: int = 0
+  temp: int = 0
+  host: int = 0
+  code: int = 0
+  flops: float | None = None
+  bytes_accessed: float | None = None
+  est_seconds: float | None = None
+  needs_gib: float | None = None
+  available_gib: float | None = None
+  error: str = ''
+
+  @property
+  def peak(self) -> int:
+    return self.argument + self.output - self.alias + self.temp
+
+  def verdict(self) -> str:
+    if self.fits:
+      return 'fits'
+    if self.needs_gib is not None:
+      return (f'does not fit: needs {self.needs_gib:.2f} of '
+              f'{self.available_gib:.2f} GiB')
+    return f'not compiled: {self.error[:120]}'
+
+
+_SIZE = r'([\d.]+)([KMGT]?)'
+_UNITS = {'': 1 / GIB, 'K': 2**10 / GIB, 'M': 2**20 / GIB, 'G': 1.0,
+          'T': 2.0**10}
+
+
+def parse_oom(message: str):
+  """``(needed GiB, available GiB)`` from a TPU RESOURCE_EXHAUSTED message,
+  or None. Understands 'Used 20.56G of 15.75G hbm' and 'required for ...
+  (20.56G) exceeds available HBM (15.75G)'."""
+  for pattern in (rf'Used {_SIZE} of {_SIZE} hbm',
+                  rf'\({_SIZE}\) exceeds available \w+ \({_SIZE}\)'):
+    m = re.search(pattern, message)
+    if m:
+      need, nu, have, hu = m.groups()
+      return float(need) * _UNITS[nu], float(have) * _UNITS[hu]
+  return None
+
+
+def _cost(compiled) -> dict:
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
+    cost = cost[0] if cost else {}
+  return cost or {}
+
+
+def _positive(value):
+  return value if value is not None and value > 0 else None
+
+
+def report_from(label: str, compiled, compile_s: float) -> Report:
+  """The figures of an already compiled program."""
+  mem = compiled.memory_analysis()
+  cost = _cost(compiled)
+  return Report(
+      label, compile_s,
+      argument=mem.argument_size_in_bytes, output=mem.output_size_in_bytes,
+      alias=mem.alias_size_in_bytes, temp=mem.temp_size_in_bytes,
+      host=(mem.host_temp_size_in_bytes + mem.host_argument_size_in_bytes +
+            mem.host_output_size_in_bytes - mem.host_alias_size_in_bytes),
+      code=mem.generated_code_size_in_bytes,
+      flops=_positive(cost.get('flops')),
+      bytes_accessed=_positive(cost.get('bytes accessed')),
+      est_seconds=_positive(cost.get('optimal_seconds')))
+
+
+def compile_report(label: str, lower) -> tuple[Report, object]:
+  """Runs ``lower()`` (-> ``jax.stages.Lowered``) and compiles it; returns
+  ``(Report, compiled or None)``. A program the compiler refuses for lack of
+  memory gives a "does not fit" report instead of an exception."""
+  start = time.perf_counter()
+  try:
+    compiled = lower().compile()
+  except Exception as e:  # pylint: disable=broad-except
+    message = str(e)
+    if 'RESOURCE_EXHAUSTED' not in message:
+      raise
+    oom = parse_oom(message)
+    need, have = oom if oom else (None, None)
+    return Report(label, time.perf_counter() - start, fits=False,
+                  needs_gib=need, available_gib=have,
+                  error=message.splitlines()[0]), None
+  return report_from(label, compiled, time.perf_counter() - start), compiled
+
+
+def _fmt(value, scale, digits=1):
+  return 'n/a' if value is None else f'{value / scale:,.{digits}f}'
+
+
+HEADER = ('| row | arg MiB | out MiB | alias MiB | temp MiB | host MiB | '
+          'peak MiB | code MiB | GFLOP | GB accessed | est. s (XLA model) | '
+          'compile s | fits |')
+
+
+def table_row(r: Report) -> str:
+  if not r.fits:
+    return (f'| {r.label} |' + ' - |' * 10 + f' {r.compile_s:.1f} | '
+            f'{r.verdict()} |')
+  return (f'| {r.label} | {_fmt(r.argument, MIB)} | {_fmt(r.output, MIB)} | '
+          f'{_fmt(r.alias, MIB)} | {_fmt(r.temp, MIB)} | {_fmt(r.host, MIB)} | '
+          f'{_fmt(r.peak, MIB)} | {_fmt(r.code, MIB, 2)} | '
+          f'{_fmt(r.flops, 1e9)} | {_fmt(r.bytes_accessed, 1e9, 2)} | '
+          f'{_fmt(r.est_seconds, 1, 4)} | {r.compile_s:.1f} | fits |')
+
+
+def print_table(title: str, reports):
+  """A markdown table of ``reports`` with the caveats under it."""
+  print(f'\n{title}')
+  print(HEADER)
+  print('|' + '---|' * 13)
+  for r in reports:
+    print(table_row(r))
+  print('Per device. est. s is XLA\'s cost-model estimate of one step, not a '
+        'measurement (n/a: none given).', flush=True)

@@ -1,0 +1,332 @@
+r"""The LM of ``examples/lm`` from ~125M to ~70B parameters on TPU slices.
+
+Each row compiles one AdamW train step (``examples.lm.train.make_train_step``
+and ``make_optimizer``, f32 parameters and optimizer state) of
+``examples.lm.model.TransformerLM`` scaled by its ``Config`` for a TPU slice
+(``benchmarks/aot.py``; no TPU needed, only libtpu), under a sharding and a
+layer-stack policy, for liftmods and for the same model under flax.linen:
+
+- sharding ``data``: batch over all chips, parameters replicated;
+  ``fsdp``: the ``embed`` dimension of every parameter (and optimizer
+  state) split over all chips too; ``fsdp_tp``: a ``('data', 'model')``
+  mesh with 4-way tensor parallelism (heads, MLP units, vocabulary).
+- stack ``none``: no rematerialization; ``full``: each block recomputed
+  (``nn.Stack(policy='full')`` / Linen ``nn.scan(nn.remat(...))``);
+  ``named``: also keeps the MLP activation named ``mlp_up``; ``nested``:
+  sqrt(L) groups on the ``(L, ...)`` layout (Linen: ``nn.remat_scan`` with
+  its ``(groups, L/groups, ...)`` layout); ``offload``: the carries between
+  blocks in pinned host memory; ``nested_offload``: both (liftmods only).
+
+Columns (per device): parameter + optimizer MiB (from the shardings), peak
+MiB (arguments + outputs - donated + temporaries), host MiB, the compiler's
+verdict (a refused program reads "does not fit: needs X of Y GiB"), model
+TFLOP per step (6 N T + 12 L d S T, all chips), XLA's estimated step seconds
+(its cost model; n/a when it gives none) and the MFU that estimate implies
+against the chip's peak bf16 FLOP/s (``aot.CHIPS``), compile seconds.
+
+  python -m benchmarks.scaling                  # default rows, a few minutes
+  python -m benchmarks.scaling --full           # every size/slice/policy
+  python -m benchmarks.scaling --sizes=125m --slices=v5e:2x2 --policies=full
+"""
+import dataclasses
+import functools
+import math
+import time
+
+from absl import app, flags
+import flax
+import flax.linen as fnn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from benchmarks import aot
+from benchmarks.models import lm_model_module
+import liftmods as lnn
+from liftmods.sharded_init import mesh_shardings
+from examples.lm import model as lm
+from examples.lm import train as lm_train
+
+SIZES = {  # vocab, seq, layers, heads, d_model
+    '125m': (50304, 2048, 12, 12, 768),
+    '1b': (32768, 2048, 20, 16, 2048),
+    '8b': (32768, 2048, 40, 32, 4096),
+    '70b': (32768, 2048, 88, 64, 8192),
+}
+SHARDINGS = {  # mesh axes, logical rules
+    'data': ({'data': -1}, (('batch', 'data'),)),
+    'fsdp': ({'data': -1}, (('batch', 'data'), ('embed', 'data'))),
+    'fsdp_tp': ({'data': -1, 'model': 4},
+                (('batch', 'data'), ('embed', 'data'), ('heads', 'model'),
+                 ('mlp', 'model'), ('vocab', 'model'))),
+}
+POLICIES = ('none', 'full', 'named', 'nested', 'offload', 'nested_offload')
+LINEN_POLICIES = ('none', 'full', 'named', 'nested')
+# (size, slice, sharding, per-chip batch, policies): the default rows.
+DEFAULT_ROWS = (
+    ('1b', 'v5e:4x4', 'fsdp', 4, ('full',)),
+    ('70b', 'v5e:16x16', 'fsdp', 1,
+     ('full', 'nested', 'offload', 'nested_offload')),
+)
+FULL_SLICES = ('v5e:4x4', 'v5e:16x16', 'v5p:4x4x8', 'v5p:8x8x16')
+
+flags.DEFINE_bool('full', False, 'every size x slice x policy (long)')
+flags.DEFINE_list('sizes', [], f'model sizes from {list(SIZES)}')
+flags.DEFINE_list('slices', [], 'TPU topologies, e.g. v5e:4x4')
+flags.DEFINE_list('policies', [], f'stack policies from {POLICIES}')
+flags.DEFINE_string('sharding', 'fsdp', f'one of {list(SHARDINGS)}')
+flags.DEFINE_integer('chip_batch', 1, 'sequences per chip (with --sizes)')
+flags.DEFINE_integer('layers', 0, 'override the layer count (0: the size\'s)')
+flags.DEFINE_integer('seq', 0, 'override the sequence length (0: the size\'s)')
+flags.DEFINE_list('libraries', ['liftmods', 'linen'], 'liftmods and/or linen')
+F = flags.FLAGS
+
+
+def config(size: str) -> lm.Config:
+  vocab, seq, layers, heads, d_model = SIZES[size]
+  return lm.Config(vocab_size=vocab, max_len=F.seq or seq,
+                   num_layers=F.layers or layers, num_heads=heads,
+                   d_model=d_model, mlp_ratio=4, dropout_rate=0.0)
+
+
+def n_params(cfg: lm.Config) -> int:
+  d, L = cfg.d_model, cfg.num_layers
+  per_block = 4 * d * d + 4 * d + 2 * cfg.mlp_ratio * d * d + (
+      cfg.mlp_ratio + 1) * d + 4 * d
+  return L * per_block + (cfg.vocab_size + cfg.max_len) * d + 2 * d
+
+
+def model_flops(cfg: lm.Config, batch: int) -> float:
+  """Training FLOPs of one step (PaLM, appendix B): 6 N per token for the
+  matrices and 12 L d S per token for attention."""
+  tokens = batch * cfg.max_len
+  return (6 * n_params(cfg) +
+          12 * cfg.num_layers * cfg.d_model * cfg.max_len) * tokens
+
+
+def groups(length: int) -> int:
+  """Linen ``remat_scan`` needs lengths that multiply to L: the divisor of
+  L nearest sqrt(L)."""
+  return min((g for g in range(1, length + 1) if length % g == 0),
+             key=lambda g: abs(g - length**0.5))
+
+
+def batch_split(stack):
+  """``stack`` with its input and output split over the batch: under FSDP
+  the parameters' ``embed`` axis shares the data axis, and without this
+  GSPMD may keep whole activations on every chip."""
+  split = lambda x: jax.lax.with_sharding_constraint(x, PartitionSpec('data'))
+  return lambda x, train: split(stack(split(x), train))
+
+
+def liftmods_stack(policy):
+  spec = {
+      'none': None, 'full': 'full', 'nested': 'nested', 'offload': 'offload',
+      'named': lnn.StackPolicy(save_block_internals=('mlp_up',)),
+      'nested_offload': lnn.StackPolicy(nested=True, save_carries='offload'),
+  }[policy]
+
+  def make(config, decode, name):
+    return batch_split(lnn.Stack(lm.Block, config.num_layers, policy=spec)(
+        config, decode, name=name))
+
+  return make
+
+
+@functools.cache
+def linen_lm():
+  """``examples/lm/model.py`` built with flax.linen."""
+  return lm_model_module('flax.linen')
+
+
+def linen_stack(policy):
+  def make(config, decode, name):
+    del decode
+    block = linen_lm().Block
+    if policy == 'nested':
+      class Body(block):
+        def __call__(self, x):
+          return super().__call__(x, True)
+
+      g = groups(config.num_layers)
+      stacked = fnn.remat_scan(
+          Body, lengths=(g, config.num_layers // g),
+          split_rngs={'params': True, 'dropout': True})(config, name=name)
+      return batch_split(lambda x, train: stacked(x))
+
+    class Body(block):  # pylint: disable=function-redefined
+      def __call__(self, x, train):
+        return super().__call__(x, train), None
+
+    body = Body
+    if policy == 'full':
+      body = fnn.remat(Body, static_argnums=(2,), prevent_cse=False)
+    elif policy == 'named':
+      body = fnn.remat(
+          Body, static_argnums=(2,), prevent_cse=False,
+          policy=jax.checkpoint_policies.save_only_these_names('mlp_up'))
+    scanned = fnn.scan(body, variable_axes={'params': 0},
+                       split_rngs={'params': True, 'dropout': True},
+                       in_axes=(fnn.broadcast,), length=config.num_layers,
+                       metadata_params={fnn.PARTITION_NAME: 'layers'})(
+                           config, False, name=name)
+    return batch_split(lambda x, train: scanned(x, train)[0])
+
+  return make
+
+
+def build(library: str, cfg: lm.Config, policy: str):
+  if library == 'liftmods':
+    return lm.TransformerLM(cfg, stack_fn=liftmods_stack(policy))
+  return linen_lm().TransformerLM(cfg, stack_fn=linen_stack(policy))
+
+
+def param_shardings(library, model, mesh, rules, tokens):
+  """Abstract parameters and their NamedShardings from the partitioning
+  metadata, with each library's own tools."""
+  with jax.set_mesh(mesh):  # the target devices decide e.g. host offload
+    boxed = jax.eval_shape(lambda t: model.init(jax.random.key(0), t),
+                           tokens)['params']
+  if library == 'liftmods':
+    with lnn.logical_axis_rules(rules):
+      shardings = mesh_shardings(boxed, mesh, rules)
+    return lnn.unbox(boxed), shardings
+  specs = fnn.get_partition_spec(boxed)
+  return fnn.unbox(boxed), fnn.logical_to_mesh_sharding(
+      specs, mesh, rules)
+
+
+def sharded_bytes(tree) -> int:
+  total = 0
+  for a in jax.tree_util.tree_leaves(tree):
+    shape = a.sharding.shard_shape(a.shape)
+    total += jnp.dtype(a.dtype).itemsize * math.prod(shape)
+  return total
+
+
+@dataclasses.dataclass
+class Row:
+  size: str
+  topology: str
+  sharding: str
+  library: str
+  policy: str
+  batch: int
+  state_bytes: int
+  report: aot.Report
+  model_flops: float
+
+
+def compile_row(size, topology, sharding, library, policy, chip_batch,
+                cfg=None):
+  """One row: the train step compiled for ``topology`` (``cfg`` overrides
+  the size's config)."""
+  cfg = cfg or config(size)
+  axes, rules = SHARDINGS[sharding]
+  mesh = aot.topology_mesh(topology, axes)
+  batch = chip_batch * mesh.size
+  tokens = jax.ShapeDtypeStruct((1, cfg.max_len), jnp.int32)
+  model = build(library, cfg, policy)
+  try:
+    params, p_shardings = param_shardings(library, model, mesh, rules, tokens)
+  except flax.errors.PartitioningUnspecifiedError:
+    # nn.remat_scan takes no metadata_params, so it cannot stack parameters
+    # that carry partitioning metadata.
+    report = aot.Report(f'{size} {library} {policy}', 0.0, fits=False,
+                        error='Linen remat_scan cannot stack partitioned '
+                        'parameters (no metadata_params)')
+    return Row(size, topology, sharding, library, policy, batch, 0, report,
+               model_flops(cfg, batch))
+  optimizer = lm_train.make_optimizer(lm_train.TrainConfig())
+  replicated = NamedSharding(mesh, PartitionSpec())
+  opt_state = jax.eval_shape(optimizer.init, params)
+  opt_shardings = optax.tree_map_params(
+      optimizer, lambda _, s: s, opt_state, p_shardings,
+      transform_non_params=lambda _: replicated)
+  shardings = {'step': replicated, 'params': p_shardings,
+               'opt_state': opt_shardings}
+  state = aot.abstract({'step': jax.ShapeDtypeStruct((), jnp.int32),
+                        'params': params, 'opt_state': opt_state}, shardings)
+  batch_sharding = NamedSharding(mesh, PartitionSpec('data'))
+  tokens = jax.ShapeDtypeStruct((batch, cfg.max_len + 1), jnp.int32,
+                                sharding=batch_sharding)
+  step = lm_train.make_train_step(model, optimizer, 0,
+                                  state_shardings=shardings,
+                                  batch_sharding=batch_sharding)
+
+  def lower():
+    with jax.set_mesh(mesh), lnn.logical_axis_rules(rules):
+      return step.lower(state, tokens)
+
+  label = f'{size} {topology} {sharding} {library} {policy} b={batch}'
+  report, _ = aot.compile_report(label, lower)
+  return Row(size, topology, sharding, library, policy, batch,
+             sharded_bytes(state), report, model_flops(cfg, batch))
+
+
+def mfu(row: Row) -> float | None:
+  est = row.report.est_seconds
+  if not row.report.fits or est is None:
+    return None
+  chips = aot.topology_mesh(row.topology, {'d': -1}).size
+  return row.model_flops / chips / est / aot.chip(row.topology)['peak_flops']
+
+
+HEADER = ('| size | slice | sharding | library | stack | batch | '
+          'param+opt MiB | peak MiB | temp MiB | host MiB | fits | '
+          'model TFLOP/step | est. s (XLA model) | est. MFU | compile s |')
+
+
+def format_row(row: Row) -> str:
+  r = row.report
+  m = mfu(row)
+  cells = [row.size, row.topology, row.sharding, row.library, row.policy,
+           row.batch, f'{row.state_bytes / aot.MIB:,.0f}']
+  if r.fits:
+    cells += [f'{r.peak / aot.MIB:,.0f}', f'{r.temp / aot.MIB:,.0f}',
+              f'{r.host / aot.MIB:,.0f}', 'fits']
+  else:
+    cells += ['-', '-', '-', r.verdict()]
+  cells += [f'{row.model_flops / 1e12:,.1f}',
+            'n/a' if r.est_seconds is None else f'{r.est_seconds:.3f}',
+            'n/a' if m is None else f'{100 * m:.0f}%', f'{r.compile_s:.1f}']
+  return '| ' + ' | '.join(str(c) for c in cells) + ' |'
+
+
+def plan():
+  """(size, slice, sharding, library, policy, chip batch) of every row."""
+  libraries = F.libraries
+  if F.sizes or F.slices or F.policies:
+    combos = [(s, t, F.sharding, F.chip_batch, tuple(F.policies or POLICIES))
+              for s in (F.sizes or ['125m']) for t in (F.slices or ['v5e:4x4'])]
+  elif F.full:
+    combos = [(s, t, sh, 1, POLICIES) for s in SIZES for t in FULL_SLICES
+              for sh in SHARDINGS]
+  else:
+    combos = DEFAULT_ROWS
+  for size, topology, sharding, chip_batch, policies in combos:
+    for policy in policies:
+      for library in libraries:
+        if library == 'linen' and policy not in LINEN_POLICIES:
+          continue
+        yield size, topology, sharding, library, policy, chip_batch
+
+
+def main(argv):
+  del argv
+  aot.topology_devices('v5e:2x2')  # a clear error without libtpu
+  print('AdamW train step of examples/lm, f32, compiled per slice; per-device '
+        'figures; est. s and MFU come from XLA\'s cost model.')
+  print(HEADER)
+  print('|' + '---|' * 15)
+  start = time.perf_counter()
+  for spec in plan():
+    print(format_row(compile_row(*spec)), flush=True)
+  print(f'\nPeak bf16 FLOP/s per chip (Cloud TPU docs): ' + ', '.join(
+      f'{k} {v["peak_flops"] / 1e12:.0f}T' for k, v in aot.CHIPS.items()) +
+        f'. Total compile time {time.perf_counter() - start:.0f} s.')
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,178 @@
+"""Programs compiled ahead of time for a TPU slice (v5e:2x2) on any machine.
+
+The compile tests need libtpu (``pip install -e '.[tpu]'``) and skip without
+it; the offload decision and the error parsing need nothing.
+"""
+import warnings
+
+import flax.linen as fnn
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+from jax.sharding import NamedSharding, PartitionSpec
+import pytest
+
+import liftmods as lnn
+from benchmarks import aot
+from liftmods import stack as stack_lib
+
+needs_libtpu = pytest.mark.skipif(
+    not aot.libtpu_available(),
+    reason='libtpu is not installed (pip install -e ".[tpu]"): nothing can '
+    'be compiled for a TPU slice')
+
+
+def abstract_mesh(platform):
+  device = AbstractDevice(device_kind='any', num_cores=1, platform=platform)
+  return AbstractMesh((2,), ('data',), (AxisType.Explicit,),
+                      abstract_device=device)
+
+
+@pytest.mark.parametrize('platform,expected', [('tpu', True), ('gpu', True),
+                                               ('cpu', False)])
+def test_offload_follows_the_target_mesh_not_the_default_backend(
+    platform, expected):
+  with jax.sharding.use_abstract_mesh(abstract_mesh(platform)):
+    assert stack_lib.target_platform() == platform
+    assert stack_lib.offload_supported() is expected
+  assert stack_lib.target_platform() == jax.default_backend()
+
+
+def test_offload_warning_names_the_target_platform():
+  layer = lnn.Stack(lnn.Dense, 2, policy='offload')(4)
+  x = jnp.ones((2, 4))
+  variables = layer.init(jax.random.key(0), x)
+  loss = lambda v: jnp.sum(layer.apply(v, x))
+  with jax.sharding.use_abstract_mesh(abstract_mesh('cpu')):
+    with pytest.warns(lnn.StackOffloadWarning,
+                      match=r'target platform \(cpu\).*jax.set_mesh'):
+      jax.eval_shape(jax.grad(loss), variables)
+  with jax.sharding.use_abstract_mesh(abstract_mesh('tpu')):
+    with warnings.catch_warnings():
+      warnings.simplefilter('error', lnn.StackOffloadWarning)
+      jax.make_jaxpr(jax.grad(loss))(variables)
+
+
+def test_parse_oom_reads_both_tpu_messages():
+  assert aot.parse_oom(
+      'RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory '
+      'required for HLO temporaries (20.56G) exceeds available HBM (15.75G)'
+  ) == pytest.approx((20.56, 15.75))
+  assert aot.parse_oom('Used 19.59G of 15.75G hbm. Exceeded hbm capacity by '
+                       '3.84G.') == pytest.approx((19.59, 15.75))
+  assert aot.parse_oom('Used 512.0M of 15.75G hbm') == pytest.approx(
+      (0.5, 15.75))
+  assert aot.parse_oom('INTERNAL: something else') is None
+
+
+def test_topology_without_libtpu_says_what_to_install(monkeypatch):
+  monkeypatch.setattr(aot, 'libtpu_available', lambda: False)
+  with pytest.raises(aot.LibtpuMissingError, match=r'pip install -e "\.\[tpu\]"'):
+    aot.topology_devices('v5e:2x2')
+
+
+# -- compiled for v5e:2x2 ---------------------------------------------------
+
+DEPTH, HIDDEN, BATCH = 8, 256, 8192  # activations leave on-chip memory
+
+
+class Block(lnn.Module):
+
+  @lnn.compact
+  def __call__(self, x):
+    h = lnn.gelu(lnn.Dense(4 * x.shape[-1])(lnn.LayerNorm()(x)))
+    return x + lnn.Dense(x.shape[-1])(h)
+
+
+class LinenBlock(fnn.Module):
+
+  @fnn.compact
+  def __call__(self, x, _):
+    h = fnn.gelu(fnn.Dense(4 * x.shape[-1])(fnn.LayerNorm()(x)))
+    return x + fnn.Dense(x.shape[-1])(h), None
+
+
+def stack_grad_report(model, params_of, label):
+  mesh = aot.topology_mesh('v5e:2x2', {'data': -1})
+  x = jax.ShapeDtypeStruct((BATCH, HIDDEN), jnp.float32,
+                           sharding=NamedSharding(mesh, PartitionSpec('data')))
+  with jax.set_mesh(mesh):
+    v = jax.eval_shape(lambda: params_of(model.init(
+        jax.random.key(0), jnp.ones((1, HIDDEN)))))
+  v = aot.abstract(v, NamedSharding(mesh, PartitionSpec()))
+  grad = jax.grad(lambda v, x: jnp.mean(model.apply(v, x)))
+
+  def lower():
+    with jax.set_mesh(mesh):
+      return jax.jit(grad).lower(v, x)
+
+  report, _ = aot.compile_report(label, lower)
+  assert report.fits, report.verdict()
+  return report
+
+
+@pytest.fixture(scope='module')
+def stack_reports():
+  def liftmods(policy):
+    return lnn.Stack(Block, DEPTH, policy=policy)(name='blocks')
+
+  linen = fnn.scan(fnn.remat(LinenBlock, prevent_cse=False),
+                   variable_axes={'params': 0},
+                   split_rngs={'params': True}, length=DEPTH)(name='blocks')
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', lnn.StackOffloadWarning)
+    return {
+        'full': stack_grad_report(liftmods('full'), lnn.unbox, 'full'),
+        'offload': stack_grad_report(liftmods('offload'), lnn.unbox,
+                                     'offload'),
+        'linen': stack_grad_report(
+            _LinenHolder(linen), lambda v: v, 'linen'),
+    }
+
+
+class _LinenHolder(fnn.Module):
+  """Calls a Linen scan whose body returns (carry, None)."""
+  stack: fnn.Module
+
+  def __call__(self, x):
+    return self.stack(x, None)[0]
+
+
+@needs_libtpu
+def test_offload_moves_carries_to_host_and_shrinks_device_temp(stack_reports):
+  full, offload = stack_reports['full'], stack_reports['offload']
+  assert full.host == 0
+  carries = DEPTH * (BATCH // 4) * HIDDEN * 4  # one f32 carry per layer
+  assert offload.host >= carries
+  assert offload.temp < full.temp
+
+
+@needs_libtpu
+def test_liftmods_full_compiles_to_linen_scan_of_remat(stack_reports):
+  full, linen = stack_reports['full'], stack_reports['linen']
+  for field in ('argument', 'output', 'temp', 'host'):
+    assert getattr(full, field) == getattr(linen, field), field
+
+
+@needs_libtpu
+@pytest.mark.parametrize('library', ['liftmods', 'linen'])
+def test_scaling_rows_compile_sharded_train_step(library):
+  from benchmarks import scaling  # pylint: disable=g-import-not-at-top
+  from examples.lm.model import Config  # pylint: disable=g-import-not-at-top
+  cfg = Config(vocab_size=512, max_len=64, num_layers=2, num_heads=4,
+               d_model=128, dropout_rate=0.0)
+  row = scaling.compile_row('tiny', 'v5e:2x2', 'fsdp', library, 'full', 2,
+                            cfg=cfg)
+  r = row.report
+  assert r.fits and r.compile_s > 0
+  # FSDP over 4 chips: every kernel / embedding is split 4 ways, so the
+  # state per device is a quarter of it plus the replicated vectors.
+  mesh = aot.topology_mesh('v5e:2x2', {'data': -1})
+  n_params = scaling.n_params(cfg)
+  total_state = 3 * 4 * n_params + 4  # params, mu, nu (f32) + step
+  assert total_state / 4 < row.state_bytes < total_state / 4 + 3 * 4 * (
+      4 * 10 * cfg.d_model * cfg.num_layers)
+  # The compiler sees exactly those bytes: state + this device's tokens.
+  tokens = (row.batch // mesh.size) * (cfg.max_len + 1) * 4
+  assert r.argument == pytest.approx(row.state_bytes + tokens, abs=64)
+  assert r.alias > 0  # the state is donated
