@@ -1,0 +1,225 @@
+"""Pipelined ``nn.Stack`` on 8 simulated CPU devices, against the
+unpipelined stack with the same parameters.
+
+Not collected by the main run (the name does not start with ``test_``):
+``test_pipeline.py`` runs it in a fresh process, because the device count
+is fixed when JAX starts. By hand: ``python -m pytest
+tests/pipeline/pipeline_cases.py``.
+
+Tolerances: forward outputs are compared bit for bit (every microbatch row
+goes through the same operations as in the unpipelined stack). Parameter
+gradients sum the per-row contributions in a different order (one sum per
+microbatch, then over microbatches) and are compared with a relative
+tolerance of 1e-5 of the gradient's largest entry, a few float32 ulps of
+accumulated rounding; where the reference accumulates microbatches in the
+pipeline's own order they are compared bit for bit.
+"""
+import os
+
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                           ' --xla_force_host_platform_device_count=8')
+
+import dataclasses  # pylint: disable=g-import-not-at-top
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+
+import liftmods as nn
+from liftmods import errors
+
+if jax.device_count() < 8:
+  pytest.skip('needs 8 devices: JAX was started before XLA_FLAGS was set '
+              '(run this file in its own process)', allow_module_level=True)
+
+WIDTH = 8
+GRAD_RTOL = 1e-5
+
+
+class Block(nn.Module):
+  """Normalizes without an epsilon: an all-zero input (what a zero-filled
+  idle slot would hold) gives NaN in the output and the gradients."""
+
+  @nn.compact
+  def __call__(self, x):
+    unit = x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    return x + jnp.tanh(nn.Dense(x.shape[-1])(unit))
+
+
+class Counted(nn.Module):
+  """Counts its calls in a mutable collection."""
+
+  @nn.compact
+  def __call__(self, x):
+    calls = self.variable('counts', 'calls', lambda: jnp.zeros((), jnp.int32))
+    calls.value += 1
+    return x + nn.Dense(x.shape[-1])(x)
+
+
+class Dropped(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return x + nn.Dropout(0.5, deterministic=False)(nn.Dense(x.shape[-1])(x))
+
+
+def mesh_of(stages, data):
+  devices = jax.devices()[:stages * data]
+  if data > 1:
+    return jax.make_mesh((stages, data), ('stage', 'data'),
+                         axis_types=(AxisType.Auto,) * 2, devices=devices)
+  return jax.make_mesh((stages,), ('stage',), axis_types=(AxisType.Auto,),
+                       devices=devices)
+
+
+def leaves(tree):
+  return jax.tree_util.tree_leaves(tree)
+
+
+def assert_bitwise(a, b):
+  assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+  for x, y in zip(leaves(a), leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def assert_grads_close(a, b):
+  assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+  for x, y in zip(leaves(a), leaves(b)):
+    x, y = np.asarray(x), np.asarray(y)
+    assert np.isfinite(x).all()
+    np.testing.assert_allclose(x, y, rtol=0,
+                               atol=GRAD_RTOL * np.abs(y).max())
+
+
+def batch(rows, seed=1):
+  return jax.random.normal(jax.random.key(seed), (rows, WIDTH))
+
+
+def outputs_and_grads(module, variables, x):
+  """``(y, (d/dvariables, d/dx))`` of ``sum(y ** 2)``, one compiled call."""
+  def loss(v, x):
+    y = module.apply(v, x)
+    return jnp.sum(y ** 2), y
+  (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1),
+                                             has_aux=True))(variables, x)
+  return y, grads
+
+
+# stages, microbatches, repeats, data-axis size, policy
+MATRIX = [
+    (2, 2, 1, 1, None),
+    (2, 4, 1, 4, 'full'),
+    (2, 2, 2, 4, None),
+    (2, 4, 2, 1, 'full'),
+    (4, 4, 1, 2, None),
+    (4, 8, 1, 1, 'full'),
+    (4, 4, 2, 1, None),
+    (4, 8, 2, 2, 'full'),
+]
+
+
+@pytest.mark.parametrize('stages,micro,repeats,data,policy', MATRIX)
+def test_outputs_and_gradients_match_unpipelined(stages, micro, repeats, data,
+                                                 policy):
+  length = 2 * stages * repeats
+  pipe = nn.Pipeline(stages=stages, microbatches=micro, repeats=repeats)
+  pipelined = nn.Stack(Block, length, policy=policy, pipeline=pipe)()
+  plain = nn.Stack(Block, length, policy=policy)()
+  x = batch(2 * micro * data)
+  v_plain = plain.init(jax.random.key(0), x)
+  v_pipe = pipelined.init(jax.random.key(0), x)
+  # Initial parameters are the unpipelined ones, in stage-major order.
+  assert_bitwise(v_pipe, pipe.to_pipeline_layout(v_plain))
+  assert_bitwise(pipe.to_stack_layout(v_pipe), v_plain)
+
+  with jax.set_mesh(mesh_of(stages, data)):
+    y, (gv, gx) = outputs_and_grads(pipelined, v_pipe, x)
+  y_plain, (rv, rx) = outputs_and_grads(plain, v_plain, x)
+  assert_bitwise(y, y_plain)
+  assert_grads_close(gv, pipe.to_pipeline_layout(rv))
+  assert_grads_close(gx, rx)
+
+
+def test_gradients_bitwise_against_microbatch_loop():
+  """The reference runs the unpipelined stack on each microbatch and adds
+  the gradients last microbatch first, as the pipeline's backward loop
+  does: then nothing differs in the arithmetic."""
+  pipe = nn.Pipeline(stages=2, microbatches=4)
+  pipelined = nn.Stack(Block, 4, pipeline=pipe)()
+  plain = nn.Stack(Block, 4)()
+  x = batch(16)
+  v = plain.init(jax.random.key(0), x)
+  loss = lambda m: lambda v, x: jnp.sum(m.apply(v, x) ** 2)
+  with jax.set_mesh(mesh_of(2, 1)):
+    g = jax.jit(jax.grad(loss(pipelined)))(v, x)
+  step = jax.jit(jax.grad(loss(plain)))
+  total = None
+  for m in reversed(range(4)):
+    g_m = step(v, x[m::4])
+    total = g_m if total is None else jax.tree_util.tree_map(
+        jnp.add, total, g_m)
+  assert_bitwise(g, total)
+
+
+def test_idle_iterations_do_not_leak_and_counters_count_microbatches():
+  pipe = nn.Pipeline(stages=4, microbatches=8, repeats=2,
+                     per_microbatch=('counts',))
+  pipelined = nn.Stack(Counted, 16, pipeline=pipe)()
+  plain = nn.Stack(Counted, 16)()
+  x = batch(16)
+  v = pipelined.init(jax.random.key(0), x)
+  assert (v['counts']['calls'] == 1).all()  # init runs each layer once
+  with jax.set_mesh(mesh_of(4, 1)):
+    y, updated = jax.jit(
+        lambda v, x: pipelined.apply(v, x, mutable=['counts']))(v, x)
+  # Once per microbatch and layer: never on the 4 - 1 idle iterations.
+  np.testing.assert_array_equal(updated['counts']['calls'],
+                                np.full(16, 1 + 8))
+  y_plain, _ = plain.apply(pipe.to_stack_layout(v), x, mutable=['counts'])
+  assert_bitwise(y, y_plain)
+
+
+def test_dropout_draws_the_unpipelined_keys_per_microbatch():
+  """Each layer draws the key the unpipelined stack gives that layer; a
+  microbatch sees exactly what the unpipelined stack does on that
+  microbatch alone."""
+  pipe = nn.Pipeline(stages=2, microbatches=4, repeats=2)
+  pipelined = nn.Stack(Dropped, 8, pipeline=pipe)()
+  plain = nn.Stack(Dropped, 8)()
+  x = batch(16)
+  v_plain = plain.init(jax.random.key(0), x)
+  v_pipe = pipe.to_pipeline_layout(v_plain)
+  rngs = {'dropout': jax.random.key(7)}
+  with jax.set_mesh(mesh_of(2, 4)):
+    y = jax.jit(lambda v, x: pipelined.apply(v, x, rngs=rngs))(v_pipe, x)
+    g = jax.jit(jax.grad(lambda v: pipelined.apply(v, x, rngs=rngs).sum()))(
+        v_pipe)
+  for m in range(4):
+    assert_bitwise(y[m::4], plain.apply(v_plain, x[m::4], rngs=rngs))
+  other = {'dropout': jax.random.key(8)}  # dropout is active
+  assert not np.allclose(y, plain.apply(v_plain, x, rngs=other))
+  total = None
+  for m in reversed(range(4)):
+    g_m = jax.grad(lambda v: plain.apply(v, x[m::4], rngs=rngs).sum())(
+        v_plain)
+    total = g_m if total is None else jax.tree_util.tree_map(
+        jnp.add, total, g_m)
+  assert_grads_close(g, pipe.to_pipeline_layout(total))
+
+
+def test_remat_iterations_matches_and_excludes_a_stack_policy():
+  pipe = nn.Pipeline(stages=2, microbatches=2, remat_iterations=True)
+  pipelined = nn.Stack(Block, 4, pipeline=pipe)()
+  plain = nn.Stack(Block, 4)()
+  x = batch(8)
+  v = plain.init(jax.random.key(0), x)
+  loss = lambda m: lambda v: jnp.sum(m.apply(v, x) ** 2)
+  with jax.set_mesh(mesh_of(2, 1)):
+    g = jax.jit(jax.grad(loss(pipelined)))(v)
+  assert_grads_close(g, jax.grad(loss(plain))(v))
+  with pytest.raises(ValueError, match='recompute every layer twice'):
+    nn.Stack(Block, 4, policy='full', pipeline=pipe)
