@@ -45,6 +45,7 @@ flags.DEFINE_list('sections', ['bubble', 'memory', 'compile'],
 flags.DEFINE_integer('hidden', 256, 'block width')
 flags.DEFINE_integer('batch', 64, 'global batch')
 flags.DEFINE_integer('layers', 16, 'layers L for the memory section')
+flags.DEFINE_integer('memory_rows', 6, 'pipelined rows per policy')
 flags.DEFINE_list('compile_layers', ['8', '32', '128'],
                   'L values for the compile section')
 flags.DEFINE_integer('compile_repeats', 3, 'fresh traces/compiles per row '
@@ -53,13 +54,17 @@ FLAGS = flags.FLAGS
 
 
 class Block(nn.Module):
-  """An MLP residual block that counts the microbatches it runs on."""
+  """An MLP residual block; ``count=True`` counts the microbatches it runs
+  on in the ``'counts'`` collection."""
   hidden: int
+  count: bool = False
 
   @nn.compact
   def __call__(self, x):
-    calls = self.variable('counts', 'calls', lambda: jnp.zeros((), jnp.int32))
-    calls.value += 1
+    if self.count:
+      calls = self.variable('counts', 'calls',
+                            lambda: jnp.zeros((), jnp.int32))
+      calls.value += 1
     h = nn.gelu(nn.Dense(2 * self.hidden)(nn.LayerNorm()(x)))
     return x + nn.Dense(self.hidden)(h)
 
@@ -91,7 +96,7 @@ def bubble():
     pipe = nn.Pipeline(stages=stages, microbatches=micro, repeats=repeats,
                        per_microbatch=('counts',))
     length = 2 * stages * repeats
-    stack = nn.Stack(Block, length, pipeline=pipe)(hidden)
+    stack = nn.Stack(Block, length, pipeline=pipe)(hidden, count=True)
     x = jnp.ones((2 * micro, hidden))
     variables = stack.init(jax.random.key(0), x)
     fn = lambda v, x: stack.apply(v, x, mutable=['counts'])
@@ -131,7 +136,10 @@ def memory_row(label, stack, stages, x, tx):
   sharding = NamedSharding(mesh, PartitionSpec('stage') if stages > 1 else
                            PartitionSpec())
   params = jax.device_put(params, sharding)
-  opt_state = jax.jit(tx.init)(params)
+  opt_state = jax.tree_util.tree_map(
+      lambda a: jax.device_put(a, sharding if a.ndim else
+                               NamedSharding(mesh, PartitionSpec())),
+      tx.init(params))
   with jax.set_mesh(mesh):
     compiled = jax.jit(train_step(stack, tx)).lower(params, opt_state,
                                                     x).compile()
@@ -153,7 +161,8 @@ def memory():
     memory_row(f'unpipelined policy={policy}',
                nn.Stack(Block, length, policy=policy)(hidden), 1, x, tx)
     for stages, micro, repeats in [(2, 2, 1), (2, 8, 1), (4, 4, 1),
-                                   (4, 16, 1), (4, 4, 2), (8, 8, 1)]:
+                                   (4, 16, 1), (4, 4, 2), (8, 8, 1)][
+                                       :FLAGS.memory_rows]:
       pipe = nn.Pipeline(stages=stages, microbatches=micro, repeats=repeats)
       memory_row(f'S={stages} M={micro} R={repeats} policy={policy}',
                  nn.Stack(Block, length, policy=policy, pipeline=pipe)(hidden),

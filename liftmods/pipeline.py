@@ -246,12 +246,21 @@ def _split_collections(pipeline, stacked, is_mutable, path):
   return fixed, mutable
 
 
-def run(pipeline: Pipeline, layer, c, stacked, keys, per_layer, *,
+_SLICING = frozenset({'dynamic_slice', 'gather', 'slice', 'squeeze',
+                      'reshape'})
+
+
+def _save_all_but_slices(prim, *_, **__):
+  return prim.name not in _SLICING
+
+
+def run(pipeline: Pipeline, layer, policy, c, stacked, keys, per_layer, *,
         is_mutable, length: int, path: str):
   """Runs ``L`` layers on the carry ``c`` with the pipeline's schedule.
 
   ``layer(c, (variables, keys, per_layer)) -> (c, (ys, mutable_out))`` is
-  one layer (the stack's, with its checkpoint policy); ``stacked`` holds
+  one layer of the stack and ``policy`` its ``jax.checkpoint`` policy (or
+  None); ``stacked`` holds
   the stack's variables (one dict of collections per scope) in stored
   (stage-major) order, ``keys`` and ``per_layer`` are in layer order and
   ``is_mutable(collection)`` says which collections the layers update.
@@ -267,9 +276,23 @@ def run(pipeline: Pipeline, layer, c, stacked, keys, per_layer, *,
             _staged(pipeline.stage_major(keys), pipeline),
             _staged(pipeline.stage_major(per_layer), pipeline))
 
-  def stage(x, fixed, mutable, keys, per_layer):
-    variables = tuple({**f, **m} for f, m in zip(fixed, mutable))
-    x, (_, updated) = lax.scan(layer, x, (variables, keys, per_layer))
+  n_layers = length // (n_stages * pipeline.repeats)
+
+  def stage(x, fixed, r, mutable, keys, per_layer):
+    """The stage's ``K`` layers of repeat ``r`` on one microbatch."""
+
+    # The parameters are sliced inside the checkpoint: the backward pass
+    # slices them again instead of keeping a copy per iteration.
+    def one(x, sliced):
+      l, mutable, keys, per_layer = sliced
+      own = _at(_at(fixed, r), l)
+      variables = tuple({**f, **m} for f, m in zip(own, mutable))
+      return layer(x, (variables, keys, per_layer))
+
+    one = jax.checkpoint(one, policy=policy or _save_all_but_slices,
+                         prevent_cse=False)
+    x, (_, updated) = lax.scan(
+        one, x, (jnp.arange(n_layers), mutable, keys, per_layer))
     if (jax.tree_util.tree_structure(updated) !=
         jax.tree_util.tree_structure(mutable)):
       raise PipelineError(
@@ -305,7 +328,7 @@ def run(pipeline: Pipeline, layer, c, stacked, keys, per_layer, *,
       r = jnp.clip(j, 0, n_work - 1) // n_micro
       x = _select(s == 0, _at(buffer, jnp.mod(t, n_micro)), arrived)
       x = _select(valid, x, fill)
-      y, updated = stage(x, _at(fixed, r), _at(mutable, r), _at(keys, r),
+      y, updated = stage(x, fixed, r, _at(mutable, r), _at(keys, r),
                          _at(per_layer, r))
       mutable = jax.tree_util.tree_map(
           lambda old, new: old.at[r].set(jnp.where(valid, new, old[r])),
