@@ -78,6 +78,7 @@ from liftmods.spmd import (LogicallyPartitioned, get_logical_axis_rules,
                            logical_to_mesh_axes, logical_to_mesh_sharding,
                            set_logical_axis_rules, with_logical_constraint,
                            with_logical_partitioning)
+from liftmods.pipeline import Pipeline, PipelineError
 from liftmods.stack import (Stack, StackOffloadWarning, StackPolicy,
                             stack_layers, unstack_layers)
 from jax.ad_checkpoint import checkpoint_name

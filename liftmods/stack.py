@@ -38,7 +38,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable, checkpoint_name
 
-from liftmods import errors
+from liftmods import errors, pipeline as pipelining
 from liftmods.core import lift, meta
 from liftmods.core.lift import broadcast
 from liftmods.module import Module
@@ -285,13 +285,16 @@ def _take(tree, start, stop=None):
 
 
 def _stack_transform(layer_fn, *, length, policy, mode, unroll,
-                     metadata_params, path, site):
+                     metadata_params, path, site, pipeline=None):
   """A core transform running ``layer_fn(scope, c, per_layer) -> (c, ys)``
   over ``length`` layers. Every collection is stacked on axis 0 and every
   rng sequence is split per layer, as in ``scan(variable_axes={True: 0},
   split_rngs={True: True})``; the keys and rng counters each layer sees are
   those of that scan, whatever the mode and policy. ``site`` (hashable)
-  identifies the stack for replaying rng counters on a repeated trace."""
+  identifies the stack for replaying rng counters on a repeated trace.
+  With a ``pipeline`` the layers run on its schedule, except in ``init``,
+  which creates the variables as the unpipelined stack does and stores them
+  in the pipeline's (stage-major) order."""
   group = policy.groups(length) if policy is not None else None
   offload = False
   if policy is not None and policy.offloaded_names():
@@ -315,6 +318,8 @@ def _stack_transform(layer_fn, *, length, policy, mode, unroll,
                               'length')
     keys = lift._split_keys(rng_groups[0], length)  # pylint: disable=protected-access
     xs = (stacked, keys, per_layer)
+    pipelined = pipeline is not None and not pipelining.initializing(
+        scopes, stacked)
     verify = []  # while replaying: checks the counters after a layer trace
 
     def layer(c, sliced):
@@ -345,6 +350,12 @@ def _stack_transform(layer_fn, *, length, policy, mode, unroll,
       return c, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
 
     def all_layers(ready):
+      if pipelined:
+        _set_counters(scopes, ready)
+        c_out, var_out = pipelining.run(
+            pipeline, layer, jax_policy, c, stacked, keys, per_layer, length=length,
+            is_mutable=scopes[0].is_mutable_collection, path=path)
+        return c_out, ((), var_out)
       step = functools.partial(run, ready=ready)
       if group is None or group >= length:  # one group: nothing to nest
         return step(c, xs, length)
@@ -352,6 +363,8 @@ def _stack_transform(layer_fn, *, length, policy, mode, unroll,
 
     c, (ys, var_out) = _replaying_rngs(scopes, rng_groups, site, layer, c, xs,
                                        all_layers, verify)
+    if pipeline is not None and not pipelined:
+      var_out = pipeline.stage_major(var_out)
     var_out = meta.add_axis(var_out, 0, metadata_params)
     return (c, ys), (var_out,)
 
@@ -494,6 +507,10 @@ def _run(self, block, config, fold, x, args, kwargs):
   per_layer = tuple(a for a, axis in zip(args, axes) if axis == 0)
   shared = [a for a, axis in zip(args, axes) if axis is broadcast]
   policy = config['policy']
+  if config['pipeline'] is not None and not fold:
+    raise errors.StackError(
+        f'Stack at {path}: a pipelined stack folds (stack(x)); stack.scan '
+        'has no pipelined form.')
   name = block.__name__
   block_call = block.__call__
 
@@ -517,9 +534,9 @@ def _run(self, block, config, fold, x, args, kwargs):
     return _stack_transform(layer_fn, length=length, policy=policy, mode=mode,
                             unroll=config['unroll'],
                             metadata_params=config['metadata_params'],
-                            path=path,
+                            path=path, pipeline=config['pipeline'],
                             site=(block, fold, axes, length, policy, mode,
-                                  config['unroll']))
+                                  config['unroll'], config['pipeline']))
 
   c, ys = _call_lifted(self, transform, (call_block,), ('__call__',), (), {},
                        (x, per_layer), {}, cls=block)
@@ -528,7 +545,7 @@ def _run(self, block, config, fold, x, args, kwargs):
 
 def Stack(block, length: int, *, policy=None, mode: str = 'scan',  # pylint: disable=invalid-name
           in_axes=broadcast, unroll: int = 1,
-          metadata_params: dict | None = None):
+          metadata_params: dict | None = None, pipeline=None):
   """A Module class holding ``length`` stacked copies of ``block``.
 
   Args:
@@ -550,6 +567,9 @@ def Stack(block, length: int, *, policy=None, mode: str = 'scan',  # pylint: dis
     unroll: passed to ``lax.scan`` (for the layer loop).
     metadata_params: for boxed variables (``nn.Partitioned``) the name of
       the layer axis; default ``{nn.PARTITION_NAME: 'layers'}``.
+    pipeline: an ``nn.Pipeline`` to run the layers as stages over a mesh
+      axis (see ``docs/pipeline.md``); the variables are then stored
+      stage-major (the layer order itself when ``repeats=1``).
 
   Returns:
     A subclass ``Stack{Block}`` of ``block`` whose ``__call__`` folds and
@@ -563,7 +583,8 @@ def Stack(block, length: int, *, policy=None, mode: str = 'scan',  # pylint: dis
     raise ValueError(f"Stack: mode must be 'scan' or 'unrolled'; got "
                      f'{mode!r}.')
   policy = StackPolicy.of(policy)
-  config = dict(
+  pipelining.check_stack(pipeline, length, policy, mode)
+  config = dict(pipeline=pipeline,
       length=length, policy=policy, mode=mode,
       in_axes=in_axes, unroll=unroll,
       metadata_params=({meta.PARTITION_NAME: 'layers'}

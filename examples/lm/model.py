@@ -49,6 +49,10 @@ class Config:
   d_model: int = 128
   mlp_ratio: int = 4
   dropout_rate: float = 0.1
+  # An nn.Pipeline runs the blocks as stages over a mesh axis (liftmods
+  # only; decoding runs the stack unpipelined on the same parameters, which
+  # needs repeats=1 or Pipeline.to_stack_layout first).
+  pipeline: Any = None
 
 
 class Mlp(nn.Module):
@@ -104,11 +108,13 @@ def stack(config: Config, decode: bool, name: str):
   kept).
 
   This is the one place to change to stack the blocks another way, e.g.
-  ``policy='nested'`` for O(sqrt(L)) memory or ``mode='unrolled'``.
+  ``policy='nested'`` for O(sqrt(L)) memory or ``mode='unrolled'``;
+  ``config.pipeline`` pipelines the stack over a mesh axis.
   """
   if hasattr(nn, 'Stack'):  # liftmods
-    return nn.Stack(Block, config.num_layers, policy='full')(
-        config, decode, name=name)
+    pipeline = None if decode else config.pipeline
+    return nn.Stack(Block, config.num_layers, policy='full',
+                    pipeline=pipeline)(config, decode, name=name)
   body = nn.remat(_ScanBody, static_argnums=(2,))
   scanned = nn.scan(body, variable_axes={'params': 0, 'cache': 0},
                     split_rngs={'params': True, 'dropout': True},

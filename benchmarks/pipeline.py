@@ -1,0 +1,218 @@
+"""Pipelined ``nn.Stack``: bubble, per-device memory, trace and compile time.
+
+Runs on 8 simulated CPU devices (set before JAX starts)::
+
+  python -m benchmarks.pipeline                  # all sections
+  python -m benchmarks.pipeline --sections=bubble,memory
+
+- ``bubble``: for each (S, M, R) the iterations the compiled schedule runs
+  (read from the program: the length of its loop) and the idle
+  stage-iterations (``S x iterations`` minus the stage-iterations that did
+  work, counted by a counter every layer increments once per microbatch it
+  runs), against the schedule's theory ``(S - 1) / (M·R + S - 1)``.
+- ``memory``: per-device bytes of parameters, Adam state and the train
+  step's temporaries (XLA's memory analysis) by S, M, R and policy, next to
+  the unpipelined stack on one device.
+- ``compile``: trace+lower and compile seconds of the train step, pipelined
+  and unpipelined, for growing L (both loop over layers: flat in L).
+
+No MaxText figure is quoted: its pipeline uses the same iteration count
+``M·R + S - 1`` for its GPipe/circular schedule, so the ``bubble`` rows are
+what that formula gives for the same S, M, R.
+"""
+import os
+import sys
+
+if __name__ == '__main__':
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                             ' --xla_force_host_platform_device_count=8')
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import statistics
+import time
+
+from absl import app, flags
+import jax
+import jax.extend
+import jax.numpy as jnp
+import optax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+import liftmods as nn
+
+flags.DEFINE_list('sections', ['bubble', 'memory', 'compile'],
+                  'which sections to run')
+flags.DEFINE_integer('hidden', 256, 'block width')
+flags.DEFINE_integer('batch', 64, 'global batch')
+flags.DEFINE_integer('layers', 16, 'layers L for the memory section')
+flags.DEFINE_integer('memory_rows', 6, 'pipelined rows per policy')
+flags.DEFINE_list('compile_layers', ['8', '32', '128'],
+                  'L values for the compile section')
+flags.DEFINE_integer('compile_repeats', 3, 'fresh traces/compiles per row '
+                     '(median)')
+FLAGS = flags.FLAGS
+
+
+class Block(nn.Module):
+  """An MLP residual block; ``count=True`` counts the microbatches it runs
+  on in the ``'counts'`` collection."""
+  hidden: int
+  count: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    if self.count:
+      calls = self.variable('counts', 'calls',
+                            lambda: jnp.zeros((), jnp.int32))
+      calls.value += 1
+    h = nn.gelu(nn.Dense(2 * self.hidden)(nn.LayerNorm()(x)))
+    return x + nn.Dense(self.hidden)(h)
+
+
+def stage_mesh(stages):
+  return jax.make_mesh((stages,), ('stage',), axis_types=(AxisType.Auto,),
+                       devices=jax.devices()[:stages])
+
+
+def loop_lengths(jaxpr, out):
+  """Lengths of every scan in a (closed) jaxpr, innermost last."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'scan':
+      out.append(eqn.params['length'])
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      loop_lengths(sub, out)
+  return out
+
+
+def bubble():
+  print('\nBubble: iterations and idle stage-iterations (measured) vs '
+        '(S-1)/(M*R+S-1)')
+  print(f'  {"S":>2} {"M":>3} {"R":>2} {"iterations":>10} {"theory":>7} '
+        f'{"idle":>5} {"of":>5} {"idle frac":>10} {"theory":>8}')
+  hidden = 16
+  for stages, micro, repeats in [(2, 2, 1), (2, 4, 1), (2, 8, 1), (2, 4, 2),
+                                 (4, 4, 1), (4, 8, 1), (4, 16, 1), (4, 4, 2),
+                                 (4, 8, 2), (8, 8, 1), (8, 16, 2)]:
+    pipe = nn.Pipeline(stages=stages, microbatches=micro, repeats=repeats,
+                       per_microbatch=('counts',))
+    length = 2 * stages * repeats
+    stack = nn.Stack(Block, length, pipeline=pipe)(hidden, count=True)
+    x = jnp.ones((2 * micro, hidden))
+    variables = stack.init(jax.random.key(0), x)
+    fn = lambda v, x: stack.apply(v, x, mutable=['counts'])
+    with jax.set_mesh(stage_mesh(stages)):
+      jaxpr = jax.make_jaxpr(fn)(variables, x)
+      _, counts = jax.jit(fn)(variables, x)
+    lengths = loop_lengths(jaxpr.jaxpr, [])
+    iterations = lengths[0]  # the outer loop: iterations; inner: layers
+    # Every layer counted one call at init; the rest are microbatch runs.
+    runs = int((counts['counts']['calls'] - 1).sum())
+    active = runs // (length // stages // repeats)  # stage-iterations
+    idle = stages * iterations - active
+    print(f'  {stages:>2} {micro:>3} {repeats:>2} {iterations:>10} '
+          f'{pipe.iterations:>7} {idle:>5} {stages * iterations:>5} '
+          f'{idle / (stages * iterations):>10.3f} '
+          f'{pipe.bubble_fraction:>8.3f}')
+
+
+def device_bytes(tree, device):
+  return sum(s.data.nbytes for leaf in jax.tree_util.tree_leaves(tree)
+             for s in leaf.addressable_shards if s.device == device)
+
+
+def train_step(stack, tx):
+  def step(params, opt_state, x):
+    def loss(p):
+      return jnp.mean(stack.apply({'params': p}, x) ** 2)
+    grads = jax.grad(loss)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+  return step
+
+
+def memory_row(label, stack, stages, x, tx):
+  mesh = stage_mesh(stages)
+  params = stack.init(jax.random.key(0), x)['params']
+  sharding = NamedSharding(mesh, PartitionSpec('stage') if stages > 1 else
+                           PartitionSpec())
+  params = jax.device_put(params, sharding)
+  opt_state = jax.tree_util.tree_map(
+      lambda a: jax.device_put(a, sharding if a.ndim else
+                               NamedSharding(mesh, PartitionSpec())),
+      tx.init(params))
+  with jax.set_mesh(mesh):
+    compiled = jax.jit(train_step(stack, tx)).lower(params, opt_state,
+                                                    x).compile()
+  device = jax.devices()[0]
+  mib = lambda b: f'{b / 2**20:>9.2f}'
+  print(f'  {label:<34}{mib(device_bytes(params, device))}'
+        f'{mib(device_bytes(opt_state, device))}'
+        f'{mib(compiled.memory_analysis().temp_size_in_bytes)}')
+
+
+def memory():
+  hidden, length, rows = FLAGS.hidden, FLAGS.layers, FLAGS.batch
+  print(f'\nPer-device MiB, train step (Adam), L={length}, width={hidden}, '
+        f'batch={rows}')
+  print(f'  {"":<34}{"params":>9}{"adam":>9}{"temp":>9}')
+  x = jnp.ones((rows, hidden))
+  tx = optax.adam(1e-3)
+  for policy in (None, 'full'):
+    memory_row(f'unpipelined policy={policy}',
+               nn.Stack(Block, length, policy=policy)(hidden), 1, x, tx)
+    for stages, micro, repeats in [(2, 2, 1), (2, 8, 1), (4, 4, 1),
+                                   (4, 16, 1), (4, 4, 2), (8, 8, 1)][
+                                       :FLAGS.memory_rows]:
+      pipe = nn.Pipeline(stages=stages, microbatches=micro, repeats=repeats)
+      memory_row(f'S={stages} M={micro} R={repeats} policy={policy}',
+                 nn.Stack(Block, length, policy=policy, pipeline=pipe)(hidden),
+                 stages, x, tx)
+  pipe = nn.Pipeline(stages=4, microbatches=16, remat_iterations=True)
+  memory_row('S=4 M=16 R=1 remat_iterations',
+             nn.Stack(Block, length, pipeline=pipe)(hidden), 4, x, tx)
+
+
+def timed(fn):
+  times = []
+  for _ in range(FLAGS.compile_repeats):
+    jax.clear_caches()
+    start = time.perf_counter()
+    out = fn()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times), out
+
+
+def compile_times():
+  hidden, rows = 64, 32
+  print('\nTrace+lower and compile seconds of the train step (median of '
+        f'{FLAGS.compile_repeats}); S=4, M=8')
+  print(f'  {"L":>5} {"unpipelined":>24} {"pipelined":>24}')
+  print(f'  {"":>5} {"lower":>12}{"compile":>12} {"lower":>12}{"compile":>12}')
+  x = jnp.ones((rows, hidden))
+  tx = optax.sgd(1e-3)
+  mesh = stage_mesh(4)
+  for length in map(int, FLAGS.compile_layers):
+    cells = []
+    for pipe in (None, nn.Pipeline(stages=4, microbatches=8)):
+      stack = nn.Stack(Block, length, policy='full', pipeline=pipe)(hidden)
+      params = jax.eval_shape(stack.init, jax.random.key(0), x)['params']
+      opt_state = jax.eval_shape(tx.init, params)
+      with jax.set_mesh(mesh):
+        lower, lowered = timed(lambda: jax.jit(train_step(stack, tx)).lower(
+            params, opt_state, x))
+        comp, _ = timed(lowered.compile)
+      cells.append(f'{lower:>12.3f}{comp:>12.3f}')
+    print(f'  {length:>5} {cells[0]} {cells[1]}')
+
+
+def main(argv):
+  del argv
+  print(f'JAX {jax.__version__}, {jax.device_count()} '
+        f'{jax.default_backend()} devices')
+  sections = {'bubble': bubble, 'memory': memory, 'compile': compile_times}
+  for name in FLAGS.sections:
+    sections[name]()
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,397 @@
+"""Pipelined ``nn.Stack`` on 8 simulated CPU devices, against the
+unpipelined stack with the same parameters.
+
+Not collected by the main run (the name does not start with ``test_``):
+``test_pipeline.py`` runs it in a fresh process, because the device count
+is fixed when JAX starts. By hand: ``python -m pytest
+tests/pipeline/pipeline_cases.py``.
+
+Tolerances: forward outputs are compared bit for bit (every microbatch row
+goes through the same operations as in the unpipelined stack). Parameter
+gradients sum the per-row contributions in a different order (one sum per
+microbatch, then over microbatches) and are compared with a relative
+tolerance of 1e-5 of the gradient's largest entry, a few float32 ulps of
+accumulated rounding; where the reference accumulates microbatches in the
+pipeline's own order they are compared bit for bit.
+"""
+import os
+
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                           ' --xla_force_host_platform_device_count=8')
+
+import dataclasses  # pylint: disable=g-import-not-at-top
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+
+import liftmods as nn
+from liftmods import errors
+
+if jax.device_count() < 8:
+  pytest.skip('needs 8 devices: JAX was started before XLA_FLAGS was set '
+              '(run this file in its own process)', allow_module_level=True)
+
+WIDTH = 8
+GRAD_RTOL = 1e-5
+
+
+class Block(nn.Module):
+  """Normalizes without an epsilon: an all-zero input (what a zero-filled
+  idle slot would hold) gives NaN in the output and the gradients."""
+
+  @nn.compact
+  def __call__(self, x):
+    unit = x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    return x + jnp.tanh(nn.Dense(x.shape[-1])(unit))
+
+
+class Counted(nn.Module):
+  """Counts its calls in a mutable collection."""
+
+  @nn.compact
+  def __call__(self, x):
+    calls = self.variable('counts', 'calls', lambda: jnp.zeros((), jnp.int32))
+    calls.value += 1
+    return x + nn.Dense(x.shape[-1])(x)
+
+
+class Dropped(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return x + nn.Dropout(0.5, deterministic=False)(nn.Dense(x.shape[-1])(x))
+
+
+def mesh_of(stages, data):
+  devices = jax.devices()[:stages * data]
+  if data > 1:
+    return jax.make_mesh((stages, data), ('stage', 'data'),
+                         axis_types=(AxisType.Auto,) * 2, devices=devices)
+  return jax.make_mesh((stages,), ('stage',), axis_types=(AxisType.Auto,),
+                       devices=devices)
+
+
+def init(module, x):
+  return jax.jit(module.init)(jax.random.key(0), x)
+
+
+def leaves(tree):
+  return jax.tree_util.tree_leaves(tree)
+
+
+def assert_bitwise(a, b):
+  assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+  for x, y in zip(leaves(a), leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def assert_grads_close(a, b, scale=None):
+  """Equal within GRAD_RTOL of ``scale`` (default: each leaf's largest
+  entry)."""
+  assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+  for x, y in zip(leaves(a), leaves(b)):
+    x, y = np.asarray(x), np.asarray(y)
+    assert np.isfinite(x).all()
+    np.testing.assert_allclose(
+        x, y, rtol=0, atol=GRAD_RTOL * (np.abs(y).max() if scale is None
+                                        else scale))
+
+
+def batch(rows, seed=1):
+  return jax.random.normal(jax.random.key(seed), (rows, WIDTH))
+
+
+def outputs_and_grads(module, variables, x):
+  """``(y, (d/dvariables, d/dx))`` of ``sum(y ** 2)``, one compiled call."""
+  def loss(v, x):
+    y = module.apply(v, x)
+    return jnp.sum(y ** 2), y
+  (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1),
+                                             has_aux=True))(variables, x)
+  return y, grads
+
+
+# stages, microbatches, repeats, data-axis size, policy
+MATRIX = [
+    (2, 2, 1, 1, None),
+    (2, 4, 1, 4, 'full'),
+    (2, 2, 2, 4, None),
+    (2, 4, 2, 1, 'full'),
+    (4, 4, 1, 2, None),
+    (4, 8, 1, 1, 'full'),
+    (4, 4, 2, 1, None),
+    (4, 8, 2, 2, 'full'),
+]
+
+
+@pytest.mark.parametrize('stages,micro,repeats,data,policy', MATRIX)
+def test_outputs_and_gradients_match_unpipelined(stages, micro, repeats, data,
+                                                 policy):
+  length = 2 * stages * repeats
+  pipe = nn.Pipeline(stages=stages, microbatches=micro, repeats=repeats)
+  pipelined = nn.Stack(Block, length, policy=policy, pipeline=pipe)()
+  plain = nn.Stack(Block, length, policy=policy)()
+  x = batch(2 * micro * data)
+  v_plain = init(plain, x)
+  v_pipe = init(pipelined, x)
+  # Initial parameters are the unpipelined ones, in stage-major order.
+  assert_bitwise(v_pipe, pipe.to_pipeline_layout(v_plain))
+  assert_bitwise(pipe.to_stack_layout(v_pipe), v_plain)
+
+  with jax.set_mesh(mesh_of(stages, data)):
+    y, (gv, gx) = outputs_and_grads(pipelined, v_pipe, x)
+  y_plain, (rv, rx) = outputs_and_grads(plain, v_plain, x)
+  assert_bitwise(y, y_plain)
+  assert_grads_close(gv, pipe.to_pipeline_layout(rv))
+  assert_grads_close(gx, rx)
+
+
+def test_gradients_bitwise_against_microbatch_loop():
+  """The reference runs the unpipelined stack on each microbatch and adds
+  the gradients last microbatch first, as the pipeline's backward loop
+  does: then nothing differs in the arithmetic."""
+  pipe = nn.Pipeline(stages=2, microbatches=4)
+  pipelined = nn.Stack(Block, 4, pipeline=pipe)()
+  plain = nn.Stack(Block, 4)()
+  x = batch(16)
+  v = init(plain, x)
+  loss = lambda m: lambda v, x: jnp.sum(m.apply(v, x) ** 2)
+  with jax.set_mesh(mesh_of(2, 1)):
+    g = jax.jit(jax.grad(loss(pipelined)))(v, x)
+  step = jax.jit(jax.grad(loss(plain)))
+  total = None
+  for m in reversed(range(4)):
+    g_m = step(v, x[m::4])
+    total = g_m if total is None else jax.tree_util.tree_map(
+        jnp.add, total, g_m)
+  assert_bitwise(g, total)
+
+
+def test_idle_iterations_do_not_leak_and_counters_count_microbatches():
+  pipe = nn.Pipeline(stages=4, microbatches=8, repeats=2,
+                     per_microbatch=('counts',))
+  pipelined = nn.Stack(Counted, 16, pipeline=pipe)()
+  plain = nn.Stack(Counted, 16)()
+  x = batch(16)
+  v = init(pipelined, x)
+  assert (v['counts']['calls'] == 1).all()  # init runs each layer once
+  with jax.set_mesh(mesh_of(4, 1)):
+    y, updated = jax.jit(
+        lambda v, x: pipelined.apply(v, x, mutable=['counts']))(v, x)
+  # Once per microbatch and layer: never on the 4 - 1 idle iterations.
+  np.testing.assert_array_equal(updated['counts']['calls'],
+                                np.full(16, 1 + 8))
+  y_plain, _ = plain.apply(pipe.to_stack_layout(v), x, mutable=['counts'])
+  assert_bitwise(y, y_plain)
+
+
+def test_dropout_draws_the_unpipelined_keys_per_microbatch():
+  """Each layer draws the key the unpipelined stack gives that layer; a
+  microbatch sees exactly what the unpipelined stack does on that
+  microbatch alone."""
+  pipe = nn.Pipeline(stages=2, microbatches=4, repeats=2)
+  pipelined = nn.Stack(Dropped, 8, pipeline=pipe)()
+  plain = nn.Stack(Dropped, 8)()
+  x = batch(16)
+  v_plain = init(plain, x)
+  v_pipe = pipe.to_pipeline_layout(v_plain)
+  rngs = {'dropout': jax.random.key(7)}
+  def loss(v):
+    y = pipelined.apply(v, x, rngs=rngs)
+    return y.sum(), y
+  with jax.set_mesh(mesh_of(2, 4)):
+    (_, y), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(v_pipe)
+  apply = jax.jit(lambda v, x, key: plain.apply(v, x, rngs={'dropout': key}))
+  grad = jax.jit(jax.grad(lambda v, x: apply(v, x, rngs['dropout']).sum()))
+  for m in range(4):
+    assert_bitwise(y[m::4], apply(v_plain, x[m::4], rngs['dropout']))
+  # dropout is active: another key, other masks
+  assert not np.allclose(y[:4], apply(v_plain, x[:4], jax.random.key(8)))
+  total = None
+  for m in reversed(range(4)):
+    g_m = grad(v_plain, x[m::4])
+    total = g_m if total is None else jax.tree_util.tree_map(
+        jnp.add, total, g_m)
+  assert_grads_close(g, pipe.to_pipeline_layout(total))
+
+
+def test_remat_iterations_matches_and_excludes_a_stack_policy():
+  pipe = nn.Pipeline(stages=2, microbatches=2, remat_iterations=True)
+  pipelined = nn.Stack(Block, 4, pipeline=pipe)()
+  plain = nn.Stack(Block, 4)()
+  x = batch(8)
+  v = init(plain, x)
+  loss = lambda m: lambda v: jnp.sum(m.apply(v, x) ** 2)
+  with jax.set_mesh(mesh_of(2, 1)):
+    g = jax.jit(jax.grad(loss(pipelined)))(v)
+  assert_grads_close(g, jax.grad(loss(plain))(v))
+  with pytest.raises(ValueError, match='recompute every layer twice'):
+    nn.Stack(Block, 4, policy='full', pipeline=pipe)
+
+
+def collectives(hlo_text):
+  ops = ('collective-permute', 'all-gather', 'all-reduce', 'all-to-all',
+         'reduce-scatter')
+  return {op: len(re.findall(rf'\s{op}(?:-start)?\(', hlo_text))
+          for op in ops}
+
+
+def test_compiled_step_holds_one_stage_of_params_and_permutes():
+  stages = 4
+  pipe = nn.Pipeline(stages=stages, microbatches=8)
+  pipelined = nn.Stack(Block, 8, pipeline=pipe)()
+  x = jnp.ones((16, 64))
+  mesh = mesh_of(stages, 1)
+  variables = init(pipelined, x)
+  total = sum(a.nbytes for a in leaves(variables))
+  sharded = jax.device_put(
+      variables, jax.sharding.NamedSharding(mesh, jax.P('stage')))
+  with jax.set_mesh(mesh):
+    step = jax.jit(jax.grad(lambda v, x: jnp.sum(pipelined.apply(v, x))))
+    compiled = step.lower(sharded, x).compile()
+  memory = compiled.memory_analysis()
+  assert memory.argument_size_in_bytes == total // stages + x.nbytes
+  # The gradients: one stage's share (plus a few bytes of tuple header).
+  assert 0 <= memory.output_size_in_bytes - total // stages < 256
+  counts = collectives(compiled.as_text())
+  # Activations move around the ring of stages; nothing is gathered.
+  assert counts['collective-permute'] >= 2, counts  # forward and backward
+  assert counts['all-gather'] == counts['all-to-all'] == 0, counts
+  assert re.search(r'source_target_pairs=\{\{0,1\},\{1,2\},\{2,3\},\{3,0\}\}',
+                   compiled.as_text())
+
+
+def test_init_sharded_puts_each_stage_on_its_devices():
+  class Wide(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      init = nn.with_logical_partitioning(nn.initializers.lecun_normal(),
+                                          ('embed', 'mlp'))
+      return x + nn.Dense(x.shape[-1], kernel_init=init)(x)
+
+  pipe = nn.Pipeline(stages=4, microbatches=4, repeats=2)
+  pipelined = nn.Stack(Wide, 16, pipeline=pipe)()
+  x = batch(8)
+  mesh = mesh_of(4, 2)
+  rules = (('layers', 'stage'), ('mlp', 'data'))
+  variables, shardings = nn.init_sharded(pipelined, mesh, rules)(
+      jax.random.key(0), x)
+  kernel = variables['params']['Dense_0']['kernel']
+  assert shardings['params']['Dense_0']['kernel'].spec == jax.P(
+      'stage', None, 'data')
+  plain = nn.unbox(nn.Stack(Wide, 16)().init(jax.random.key(0), x))
+  expected = np.asarray(pipe.to_pipeline_layout(plain)['params']['Dense_0'][
+      'kernel'])
+  assert_bitwise(kernel, expected)
+  stage_of = {d: i for i, row in enumerate(mesh.devices) for d in row}
+  for shard in kernel.addressable_shards:
+    stage = stage_of[shard.device]
+    layers = shard.index[0]
+    assert (layers.start, layers.stop) == (4 * stage, 4 * stage + 4)
+    # stage s holds layers (r * 4 + s) * 2 + l of the unpipelined stack
+    natural = [(r * 4 + stage) * 2 + l for r in range(2) for l in range(2)]
+    np.testing.assert_array_equal(
+        np.asarray(shard.data), np.asarray(plain['params']['Dense_0'][
+            'kernel'])[natural][:, :, shard.index[2]])
+  with jax.set_mesh(mesh):
+    y = jax.jit(pipelined.apply)({'params': variables['params']}, x)
+  assert_bitwise(y, nn.Stack(Wide, 16)().apply(plain, x))
+
+
+def test_errors_name_the_problem():
+  with pytest.raises(nn.PipelineError, match=r'divisible by stages·repeats = 8'):
+    nn.Stack(Block, 12, pipeline=nn.Pipeline(stages=4, microbatches=4,
+                                              repeats=2))
+  with pytest.raises(ValueError, match='at least as many microbatches'):
+    nn.Pipeline(stages=4, microbatches=2, repeats=2)
+  pipe = nn.Pipeline(stages=2, microbatches=4)
+  stack = nn.Stack(Block, 4, pipeline=pipe)(name='blocks')
+  x = batch(8)
+  v = init(stack, x)
+  with jax.set_mesh(mesh_of(2, 1)):
+    with pytest.raises(nn.PipelineError,
+                       match=r'Stack at /:.*divisible by microbatches=4; '
+                       r'got a carry of shape \(6, 8\)'):
+      stack.apply(v, batch(6))
+  with jax.set_mesh(jax.make_mesh((2, 4), ('pipe', 'data'),
+                                  axis_types=(AxisType.Auto,) * 2)):
+    with pytest.raises(nn.PipelineError,
+                       match=r"mesh axis 'stage', but the mesh has axes "
+                       r"\('pipe', 'data'\)"):
+      stack.apply(v, x)
+  with jax.set_mesh(mesh_of(4, 1)):
+    with pytest.raises(nn.PipelineError, match="'stage' has 4 devices, but "
+                       'the pipeline has stages=2'):
+      stack.apply(v, x)
+
+  class Widens(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(x.shape[-1] + 1)(x)
+
+  widens = nn.Stack(Widens, 4, pipeline=pipe)(name='blocks')
+  with jax.set_mesh(mesh_of(2, 1)):
+    with pytest.raises(errors.StackError,
+                       match=r'Stack at /: Widens.__call__ returned a '
+                       r'carry of .*\(8, 9\).*received.*\(8, 8\)'):
+      widens.init(jax.random.key(0), x)
+
+  counted = nn.Stack(Counted, 4, pipeline=pipe)(name='blocks')
+  vc = init(counted, x)
+  with jax.set_mesh(mesh_of(2, 1)):
+    with pytest.raises(nn.PipelineError,
+                       match=r"Stack at /: collection 'counts' is "
+                       r'mutable.*per_microbatch='):
+      counted.apply(vc, x, mutable=['counts'])
+  with pytest.raises(errors.StackError, match='stack.scan has no pipelined'):
+    stack.apply(v, x, method='scan')
+
+
+def test_lm_train_step_pipelined_over_four_stages():
+  from examples.lm import model as lm  # pylint: disable=g-import-not-at-top
+  config = lm.Config(max_len=8, num_layers=4, num_heads=2, d_model=16,
+                     mlp_ratio=2, dropout_rate=0.0)
+  pipe = nn.Pipeline(stages=4, microbatches=4)
+  plain = lm.TransformerLM(config)
+  pipelined = lm.TransformerLM(dataclasses.replace(config, pipeline=pipe))
+  tokens = (jnp.arange(8 * 9, dtype=jnp.int32).reshape(8, 9) * 7) % 256
+  # (repeats=1: the pipelined stack stores the unpipelined layout as is;
+  # init equality is checked above.)
+  params = nn.unbox(init(plain, tokens[:, :-1]))['params']
+  params_pipe = params
+  # Plain SGD: Adam would turn the key bias's rounding-level gradients
+  # (exactly zero in exact arithmetic) into full-size steps of either sign.
+  optimizer = optax.sgd(0.1)
+
+  def train_step(model):
+    def loss_fn(params):
+      logits = model.apply({'params': params}, tokens[:, :-1], train=True)
+      return optax.softmax_cross_entropy_with_integer_labels(
+          logits, tokens[:, 1:]).mean()
+
+    @jax.jit
+    def step(params, opt_state):
+      loss, grads = jax.value_and_grad(loss_fn)(params)
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), loss, grads
+    return step
+
+  new, loss, grads = train_step(plain)(params, optimizer.init(params))
+  with jax.set_mesh(mesh_of(4, 1)):
+    new_p, loss_p, grads_p = train_step(pipelined)(
+        params_pipe, optimizer.init(params_pipe))
+  to_stack = lambda t: {**t, 'blocks': pipe.to_stack_layout(t['blocks'])}
+  np.testing.assert_allclose(loss_p, loss, rtol=1e-6)
+  # Relative to the largest gradient: the attention key bias has a zero
+  # gradient up to rounding (softmax ignores a shift shared by all keys).
+  assert_grads_close(to_stack(grads_p), grads,
+                     scale=max(np.abs(g).max() for g in leaves(grads)))
+  for a, b in zip(leaves(to_stack(new_p)), leaves(new)):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-7)
