@@ -135,14 +135,16 @@ def bound_primitives(fn) -> int:
 
 def time_interleaved(fns: dict, repeats: int) -> list:
   """``[(label, {'best', 'median'})]`` with one call of every ``fn`` per
-  round, after one warm-up round."""
+  round, after one warm-up round; the order rotates by one row per round,
+  so no row always follows the same neighbour."""
   for fn in fns.values():
     fn()
   times = {label: [] for label in fns}
-  for _ in range(repeats):
-    for label, fn in fns.items():
+  labels = list(fns)
+  for r in range(repeats):
+    for label in labels[r % len(labels):] + labels[:r % len(labels)]:
       start = time.perf_counter()
-      fn()
+      fns[label]()
       times[label].append(time.perf_counter() - start)
   return [(label, {'best': min(t), 'median': statistics.median(t)})
           for label, t in times.items()]
