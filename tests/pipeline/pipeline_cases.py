@@ -6,13 +6,18 @@ Not collected by the main run (the name does not start with ``test_``):
 is fixed when JAX starts. By hand: ``python -m pytest
 tests/pipeline/pipeline_cases.py``.
 
-Tolerances: forward outputs are compared bit for bit (every microbatch row
-goes through the same operations as in the unpipelined stack). Parameter
-gradients sum the per-row contributions in a different order (one sum per
-microbatch, then over microbatches) and are compared with a relative
-tolerance of 1e-5 of the gradient's largest entry, a few float32 ulps of
-accumulated rounding; where the reference accumulates microbatches in the
-pipeline's own order they are compared bit for bit.
+Tolerances. Every row goes through the same operations as in the
+unpipelined stack, but XLA compiles them differently inside the schedule's
+loop and for another row count (how a product is blocked, what is fused),
+which moves the last bit: at 32 rows the largest output difference seen is
+2.4e-7 (about 2 ulp of the outputs' scale). Outputs are therefore compared
+within OUT_RTOL = 1e-6 of their largest entry. Parameter gradients also sum
+the per-row contributions in another order (per microbatch, then over
+microbatches) and are compared within GRAD_RTOL = 1e-5 of each gradient's
+largest entry. At small microbatches (2-4 rows) the compiled arithmetic
+coincides on XLA:CPU, and the tests that compare against the unpipelined
+stack run microbatch by microbatch (gradients summed in the pipeline's
+order, dropout, counters) check bit for bit.
 """
 import os
 
@@ -37,6 +42,7 @@ if jax.device_count() < 8:
               '(run this file in its own process)', allow_module_level=True)
 
 WIDTH = 8
+OUT_RTOL = 1e-6
 GRAD_RTOL = 1e-5
 
 
@@ -106,13 +112,28 @@ def batch(rows, seed=1):
   return jax.random.normal(jax.random.key(seed), (rows, WIDTH))
 
 
-def outputs_and_grads(module, variables, x):
-  """``(y, (d/dvariables, d/dx))`` of ``sum(y ** 2)``, one compiled call."""
+def value_and_grads(module):
+  """``(v, x) -> ((sum(y ** 2), y), (d/dv, d/dx))``, compiled."""
   def loss(v, x):
     y = module.apply(v, x)
     return jnp.sum(y ** 2), y
-  (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1),
-                                             has_aux=True))(variables, x)
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+
+def outputs_and_grads(module, variables, x):
+  (_, y), grads = value_and_grads(module)(variables, x)
+  return y, grads
+
+
+REFERENCES = {}  # layers -> the unpipelined stack's compiled step
+
+
+def reference(length, variables, x):
+  """The unpipelined stack (no policy: a policy changes what is kept,
+  not the values), compiled once per depth."""
+  if length not in REFERENCES:
+    REFERENCES[length] = value_and_grads(nn.Stack(Block, length)())
+  (_, y), grads = REFERENCES[length](variables, x)
   return y, grads
 
 
@@ -136,7 +157,7 @@ def test_outputs_and_gradients_match_unpipelined(stages, micro, repeats, data,
   pipe = nn.Pipeline(stages=stages, microbatches=micro, repeats=repeats)
   pipelined = nn.Stack(Block, length, policy=policy, pipeline=pipe)()
   plain = nn.Stack(Block, length, policy=policy)()
-  x = batch(2 * micro * data)
+  x = batch(32)  # one batch size for all: the references compile once
   v_plain = init(plain, x)
   v_pipe = init(pipelined, x)
   # Initial parameters are the unpipelined ones, in stage-major order.
@@ -145,8 +166,10 @@ def test_outputs_and_gradients_match_unpipelined(stages, micro, repeats, data,
 
   with jax.set_mesh(mesh_of(stages, data)):
     y, (gv, gx) = outputs_and_grads(pipelined, v_pipe, x)
-  y_plain, (rv, rx) = outputs_and_grads(plain, v_plain, x)
-  assert_bitwise(y, y_plain)
+  y_plain, (rv, rx) = reference(length, v_plain, x)
+  # Within float32 rounding (see the module docstring).
+  np.testing.assert_allclose(y, y_plain, rtol=0,
+                             atol=OUT_RTOL * np.abs(y_plain).max())
   assert_grads_close(gv, pipe.to_pipeline_layout(rv))
   assert_grads_close(gx, rx)
 
