@@ -172,14 +172,21 @@ def memory():
              nn.Stack(Block, length, pipeline=pipe)(hidden), 4, x, tx)
 
 
-def timed(fn):
-  times = []
-  for _ in range(FLAGS.compile_repeats):
+def lower_and_compile(fn, *args):
+  """Median seconds of (trace+lower, compile) over fresh runs, after one
+  untimed warm-up."""
+  lowers, compiles = [], []
+  for i in range(FLAGS.compile_repeats + 1):
     jax.clear_caches()
     start = time.perf_counter()
-    out = fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times), out
+    lowered = jax.jit(fn).lower(*args)
+    middle = time.perf_counter()
+    lowered.compile()
+    end = time.perf_counter()
+    if i:
+      lowers.append(middle - start)
+      compiles.append(end - middle)
+  return statistics.median(lowers), statistics.median(compiles)
 
 
 def compile_times():
@@ -198,9 +205,8 @@ def compile_times():
       params = jax.eval_shape(stack.init, jax.random.key(0), x)['params']
       opt_state = jax.eval_shape(tx.init, params)
       with jax.set_mesh(mesh):
-        lower, lowered = timed(lambda: jax.jit(train_step(stack, tx)).lower(
-            params, opt_state, x))
-        comp, _ = timed(lowered.compile)
+        lower, comp = lower_and_compile(train_step(stack, tx), params,
+                                        opt_state, x)
       cells.append(f'{lower:>12.3f}{comp:>12.3f}')
     print(f'  {length:>5} {cells[0]} {cells[1]}')
 

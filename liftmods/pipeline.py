@@ -311,6 +311,12 @@ def run(pipeline: Pipeline, layer, policy, c, stacked, keys, per_layer, *,
     garbage = jax.tree_util.tree_map(
         lambda a: jnp.full_like(a, jnp.nan), fill)
     ring = [(i, (i + 1) % n_stages) for i in range(n_stages)]
+    # remat_iterations: the backward pass keeps each iteration's input
+    # microbatch (not the batch buffers the loop carries) and reruns the
+    # stage from it.
+    run_stage = (jax.checkpoint(
+        stage, policy=jax.checkpoint_policies.nothing_saveable,
+        prevent_cse=False) if pipeline.remat_iterations else stage)
 
     def store(buffer, arrived, t):
       done = t - n_stages  # the work item the last stage finished at t - 1
@@ -328,17 +334,14 @@ def run(pipeline: Pipeline, layer, policy, c, stacked, keys, per_layer, *,
       r = jnp.clip(j, 0, n_work - 1) // n_micro
       x = _select(s == 0, _at(buffer, jnp.mod(t, n_micro)), arrived)
       x = _select(valid, x, fill)
-      y, updated = stage(x, fixed, r, _at(mutable, r), _at(keys, r),
-                         _at(per_layer, r))
+      y, updated = run_stage(x, fixed, r, _at(mutable, r), _at(keys, r),
+                             _at(per_layer, r))
       mutable = jax.tree_util.tree_map(
           lambda old, new: old.at[r].set(jnp.where(valid, new, old[r])),
           mutable, updated)
       arrived = lax.ppermute(y, pipeline.axis, ring)
       return (arrived, buffer, mutable), None
 
-    if pipeline.remat_iterations:
-      iteration = jax.checkpoint(
-          iteration, policy=jax.checkpoint_policies.nothing_saveable)
     (arrived, buffer, mutable), _ = lax.scan(
         iteration, (garbage, micro, mutable),
         jnp.arange(pipeline.iterations))

@@ -353,8 +353,9 @@ def _stack_transform(layer_fn, *, length, policy, mode, unroll,
       if pipelined:
         _set_counters(scopes, ready)
         c_out, var_out = pipelining.run(
-            pipeline, layer, jax_policy, c, stacked, keys, per_layer, length=length,
-            is_mutable=scopes[0].is_mutable_collection, path=path)
+            pipeline, layer, jax_policy, c, stacked, keys, per_layer,
+            length=length, is_mutable=scopes[0].is_mutable_collection,
+            path=path)
         return c_out, ((), var_out)
       step = functools.partial(run, ready=ready)
       if group is None or group >= length:  # one group: nothing to nest

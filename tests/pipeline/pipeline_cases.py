@@ -6,13 +6,18 @@ Not collected by the main run (the name does not start with ``test_``):
 is fixed when JAX starts. By hand: ``python -m pytest
 tests/pipeline/pipeline_cases.py``.
 
-Tolerances: forward outputs are compared bit for bit (every microbatch row
-goes through the same operations as in the unpipelined stack). Parameter
-gradients sum the per-row contributions in a different order (one sum per
-microbatch, then over microbatches) and are compared with a relative
-tolerance of 1e-5 of the gradient's largest entry, a few float32 ulps of
-accumulated rounding; where the reference accumulates microbatches in the
-pipeline's own order they are compared bit for bit.
+Tolerances. Every row goes through the same operations as in the
+unpipelined stack, but XLA compiles them differently inside the schedule's
+loop and for another row count (how a product is blocked, what is fused),
+which moves the last bit: at 32 rows the largest output difference seen is
+2.4e-7 (about 2 ulp of the outputs' scale). Outputs are therefore compared
+within OUT_RTOL = 1e-6 of their largest entry. Parameter gradients also sum
+the per-row contributions in another order (per microbatch, then over
+microbatches) and are compared within GRAD_RTOL = 1e-5 of each gradient's
+largest entry. At small microbatches (2-4 rows) the compiled arithmetic
+coincides on XLA:CPU, and the tests that compare against the unpipelined
+stack run microbatch by microbatch (gradients summed in the pipeline's
+order, dropout, counters) check bit for bit.
 """
 import os
 
@@ -37,6 +42,7 @@ if jax.device_count() < 8:
               '(run this file in its own process)', allow_module_level=True)
 
 WIDTH = 8
+OUT_RTOL = 1e-6
 GRAD_RTOL = 1e-5
 
 
@@ -106,13 +112,28 @@ def batch(rows, seed=1):
   return jax.random.normal(jax.random.key(seed), (rows, WIDTH))
 
 
-def outputs_and_grads(module, variables, x):
-  """``(y, (d/dvariables, d/dx))`` of ``sum(y ** 2)``, one compiled call."""
+def value_and_grads(module):
+  """``(v, x) -> ((sum(y ** 2), y), (d/dv, d/dx))``, compiled."""
   def loss(v, x):
     y = module.apply(v, x)
     return jnp.sum(y ** 2), y
-  (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1),
-                                             has_aux=True))(variables, x)
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+
+def outputs_and_grads(module, variables, x):
+  (_, y), grads = value_and_grads(module)(variables, x)
+  return y, grads
+
+
+REFERENCES = {}  # layers -> the unpipelined stack's compiled step
+
+
+def reference(length, variables, x):
+  """The unpipelined stack (no policy: a policy changes what is kept,
+  not the values), compiled once per depth."""
+  if length not in REFERENCES:
+    REFERENCES[length] = value_and_grads(nn.Stack(Block, length)())
+  (_, y), grads = REFERENCES[length](variables, x)
   return y, grads
 
 
@@ -136,7 +157,7 @@ def test_outputs_and_gradients_match_unpipelined(stages, micro, repeats, data,
   pipe = nn.Pipeline(stages=stages, microbatches=micro, repeats=repeats)
   pipelined = nn.Stack(Block, length, policy=policy, pipeline=pipe)()
   plain = nn.Stack(Block, length, policy=policy)()
-  x = batch(2 * micro * data)
+  x = batch(32)  # one batch size for all: the references compile once
   v_plain = init(plain, x)
   v_pipe = init(pipelined, x)
   # Initial parameters are the unpipelined ones, in stage-major order.
@@ -145,8 +166,10 @@ def test_outputs_and_gradients_match_unpipelined(stages, micro, repeats, data,
 
   with jax.set_mesh(mesh_of(stages, data)):
     y, (gv, gx) = outputs_and_grads(pipelined, v_pipe, x)
-  y_plain, (rv, rx) = outputs_and_grads(plain, v_plain, x)
-  assert_bitwise(y, y_plain)
+  y_plain, (rv, rx) = reference(length, v_plain, x)
+  # Within float32 rounding (see the module docstring).
+  np.testing.assert_allclose(y, y_plain, rtol=0,
+                             atol=OUT_RTOL * np.abs(y_plain).max())
   assert_grads_close(gv, pipe.to_pipeline_layout(rv))
   assert_grads_close(gx, rx)
 
@@ -186,7 +209,8 @@ def test_idle_iterations_do_not_leak_and_counters_count_microbatches():
   # Once per microbatch and layer: never on the 4 - 1 idle iterations.
   np.testing.assert_array_equal(updated['counts']['calls'],
                                 np.full(16, 1 + 8))
-  y_plain, _ = plain.apply(pipe.to_stack_layout(v), x, mutable=['counts'])
+  y_plain, _ = jax.jit(lambda v, x: plain.apply(v, x, mutable=['counts']))(
+      pipe.to_stack_layout(v), x)
   assert_bitwise(y, y_plain)
 
 
@@ -223,13 +247,14 @@ def test_dropout_draws_the_unpipelined_keys_per_microbatch():
 def test_remat_iterations_matches_and_excludes_a_stack_policy():
   pipe = nn.Pipeline(stages=2, microbatches=2, remat_iterations=True)
   pipelined = nn.Stack(Block, 4, pipeline=pipe)()
-  plain = nn.Stack(Block, 4)()
-  x = batch(8)
-  v = init(plain, x)
-  loss = lambda m: lambda v: jnp.sum(m.apply(v, x) ** 2)
+  x = batch(32)
+  v = init(nn.Stack(Block, 4)(), x)
   with jax.set_mesh(mesh_of(2, 1)):
-    g = jax.jit(jax.grad(loss(pipelined)))(v)
-  assert_grads_close(g, jax.grad(loss(plain))(v))
+    y, (g, gx) = outputs_and_grads(pipelined, v, x)
+  y_plain, (rv, rx) = reference(4, v, x)
+  np.testing.assert_allclose(y, y_plain, rtol=0,
+                             atol=OUT_RTOL * np.abs(y_plain).max())
+  assert_grads_close((g, gx), (rv, rx))
   with pytest.raises(ValueError, match='recompute every layer twice'):
     nn.Stack(Block, 4, policy='full', pipeline=pipe)
 
@@ -285,7 +310,7 @@ def test_init_sharded_puts_each_stage_on_its_devices():
   kernel = variables['params']['Dense_0']['kernel']
   assert shardings['params']['Dense_0']['kernel'].spec == jax.P(
       'stage', None, 'data')
-  plain = nn.unbox(nn.Stack(Wide, 16)().init(jax.random.key(0), x))
+  plain = nn.unbox(init(nn.Stack(Wide, 16)(), x))
   expected = np.asarray(pipe.to_pipeline_layout(plain)['params']['Dense_0'][
       'kernel'])
   assert_bitwise(kernel, expected)
@@ -301,7 +326,7 @@ def test_init_sharded_puts_each_stage_on_its_devices():
             'kernel'])[natural][:, :, shard.index[2]])
   with jax.set_mesh(mesh):
     y = jax.jit(pipelined.apply)({'params': variables['params']}, x)
-  assert_bitwise(y, nn.Stack(Wide, 16)().apply(plain, x))
+  assert_bitwise(y, jax.jit(nn.Stack(Wide, 16)().apply)(plain, x))
 
 
 def test_errors_name_the_problem():
