@@ -14,7 +14,21 @@ $(DOCS_STAMP): $(STAMP)
 	$(VENV)/bin/pip install -q -e '.[docs]'
 	touch $(DOCS_STAMP)
 
-.PHONY: demo demo-spirals test bench docs clean
+# A separate venv with libtpu, for compiling against TPU slices (tables of
+# docs/tpu.md, tests/tpu) without a TPU.
+TPU_VENV := .venv-tpu
+$(TPU_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(TPU_VENV)
+	$(TPU_VENV)/bin/pip install -q --upgrade pip
+	$(TPU_VENV)/bin/pip install -q -e '.[test,bench,demo,tpu]'
+	touch $(TPU_VENV)/.installed
+
+venv-tpu: $(TPU_VENV)/.installed
+
+test-tpu: $(TPU_VENV)/.installed
+	$(TPU_VENV)/bin/python -m pytest tests/tpu
+
+.PHONY: demo demo-spirals test bench docs clean venv-tpu test-tpu
 demo: $(STAMP)
 	$(VENV)/bin/python -m examples.lm
 
@@ -32,4 +46,4 @@ bench: $(STAMP)
 	$(VENV)/bin/python -m benchmarks.trace_overhead
 
 clean:
-	rm -rf $(VENV) site
+	rm -rf $(VENV) $(TPU_VENV) site

@@ -31,6 +31,7 @@ against the chip's peak bf16 FLOP/s (``aot.CHIPS``), compile seconds.
 import dataclasses
 import functools
 import math
+import re
 import time
 
 from absl import app, flags
@@ -79,6 +80,9 @@ flags.DEFINE_string('sharding', 'fsdp', f'one of {list(SHARDINGS)}')
 flags.DEFINE_integer('chip_batch', 1, 'sequences per chip (with --sizes)')
 flags.DEFINE_integer('layers', 0, 'override the layer count (0: the size\'s)')
 flags.DEFINE_integer('seq', 0, 'override the sequence length (0: the size\'s)')
+flags.DEFINE_string('init_sharded', '', 'instead of train steps, compile '
+                    'nn.init_sharded of SIZE for SLICE (fsdp_tp rules), e.g. '
+                    '70b@v5p:8x8x16')
 flags.DEFINE_list('libraries', ['liftmods', 'linen'], 'liftmods and/or linen')
 F = flags.FLAGS
 
@@ -313,9 +317,43 @@ def plan():
         yield size, topology, sharding, library, policy, chip_batch
 
 
+def largest_f32(hlo_text: str) -> int:
+  """Elements of the largest f32 array in an HLO module's text."""
+  return max((math.prod(int(d) for d in m.group(1).split(',') if d)
+              for m in re.finditer(r'f32\[([\d,]+)\]', hlo_text)), default=0)
+
+
+def init_sharded_report(size: str, topology: str):
+  """``nn.init_sharded`` of ``size`` compiled for ``topology``: per-device
+  bytes vs total / chips and the largest array in the per-device program."""
+  cfg = config(size)
+  axes, rules = SHARDINGS['fsdp_tp']
+  mesh = aot.topology_mesh(topology, axes)
+  model = build('liftmods', cfg, 'full')
+  key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+  tokens = jax.ShapeDtypeStruct((1, cfg.max_len), jnp.int32)
+  start = time.perf_counter()
+  with jax.set_mesh(mesh):
+    lowered, _ = lnn.init_sharded(model, mesh, rules).lower(key, tokens)
+    compiled = lowered.compile()
+  report = aot.report_from(f'init_sharded {size}', compiled,
+                           time.perf_counter() - start)
+  total = 4 * n_params(cfg)
+  aot.print_table(f'nn.init_sharded, {size} ({n_params(cfg) / 1e9:.1f}B f32 '
+                  f'parameters) on {topology}', [report])
+  print(f'total / chips = {total / mesh.size / aot.MIB:,.1f} MiB; output per '
+        f'device {report.output / aot.MIB:,.1f} MiB; largest f32 array in the '
+        f'per-device program {4 * largest_f32(compiled.as_text()) / aot.MIB:,.1f}'
+        f' MiB (whole embedding: {4 * cfg.vocab_size * cfg.d_model / aot.MIB:,.1f}'
+        ' MiB)')
+
+
 def main(argv):
   del argv
   aot.topology_devices('v5e:2x2')  # a clear error without libtpu
+  if F.init_sharded:
+    size, topology = F.init_sharded.split('@')
+    return init_sharded_report(size, topology)
   print('AdamW train step of examples/lm, f32, compiled per slice; per-device '
         'figures; est. s and MFU come from XLA\'s cost model.')
   print(HEADER)
