@@ -31,6 +31,7 @@ import numpy as np
 
 from liftmods import errors
 from liftmods.core import meta, partial_eval
+from liftmods.core import filters
 from liftmods.core.filters import in_filter
 from liftmods.config import FLAG_VALUES
 from liftmods.core.frozen_dict import FrozenDict, freeze, unfreeze
@@ -634,3 +635,29 @@ def lazy_init(fn: Callable, mutable=True, flags: Mapping | None = None):
     return init(fn, mutable, flags)(*args, **kwargs)[1]
 
   return partial_eval.lazy_init(variables_only)
+
+
+# Linen's flax.core.scope names for the filter algebra of core/filters.py.
+union_filters = filters.union
+intersect_filters = filters.intersect
+subtract_filters = filters.subtract
+is_filter_empty = filters.is_empty
+
+
+def group_collections(xs: Mapping, col_filters) -> tuple:
+  """Split the collections of ``xs`` by a sequence of filters.
+
+  Each collection goes to the first filter that matches it (later filters
+  never see it); the result has one dict per filter.
+
+  >>> group_collections({'params': 1, 'stats': 2, 'cache': 3},
+  ...                   ['params', True])
+  ({'params': 1}, {'stats': 2, 'cache': 3})
+  """
+  remaining = list(xs)
+  groups = []
+  for col_filter in col_filters:
+    groups.append({col: xs[col] for col in remaining
+                   if in_filter(col_filter, col)})
+    remaining = [col for col in remaining if col not in groups[-1]]
+  return tuple(groups)
