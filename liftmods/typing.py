@@ -4,6 +4,8 @@ Third-party Linen code annotates with these names (``from flax.typing import
 Array``, ``from flax.linen.linear import PrecisionLike``); liftmods' layer
 modules make the same names available, so such imports resolve under
 :mod:`liftmods.compat`. They are aliases: nothing checks them at run time.
+flax.typing's helper classes ``HashableMapping``, ``PytreeDeque``,
+``SizeBytes`` and ``BaseConfigContext`` are not provided.
 
 >>> import jax.numpy as jnp
 >>> from liftmods import typing as lt
@@ -25,6 +27,10 @@ from liftmods.core.lift import In, Out
 T = TypeVar('T')
 K = TypeVar('K')
 A = TypeVar('A')
+F = TypeVar('F', bound=Callable[..., Any])
+HA = TypeVar('HA', bound=Hashable)
+HB = TypeVar('HB')
+TupleArg = TypeVar('TupleArg', bound=tuple)
 
 Array = Union[jax.Array, Any]
 PRNGKey = jax.Array
@@ -62,7 +68,7 @@ Initializer = Union[jax.nn.initializers.Initializer, Callable[..., Any]]
 Collection = Mapping[str, Any]
 MutableCollection = dict[str, Any]
 VariableDict = Mapping[str, Collection]
-FrozenVariableDict = FrozenDict
+FrozenVariableDict = FrozenDict[str, Collection]
 MutableVariableDict = dict[str, MutableCollection]
 PRNGFoldable = Union[int, str]
 
@@ -77,7 +83,7 @@ InOutScanAxis = Union[ScanAxis, In[ScanAxis], Out[ScanAxis]]
 Axes = Union[int, Sequence[int]]
 
 LogicalNames = tuple[Union[str, None], ...]
-AxisName = Union[str, tuple[str, ...], None]
+AxisName = str | tuple[str, ...] | None
 LogicalRules = Sequence[tuple[str, AxisName]]
 ArrayPytree = Any
 LogicalPartitionSpec = Any
