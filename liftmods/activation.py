@@ -44,3 +44,6 @@ normalize = standardize
 # Linen's nn.activation also holds the parametric PReLU module.
 from liftmods.layers.activation_modules import PReLU as PReLU  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+# Type aliases Linen code imports from this module (flax.linen.activation).
+from liftmods.typing import (  # pylint: disable=unused-import
+    Array, Dtype)

@@ -17,3 +17,7 @@ from liftmods.layers.attention import (MultiHeadAttention,
 from liftmods.layers.linear import DenseGeneral, default_kernel_init
 from liftmods.layers.normalization import LayerNorm
 from liftmods.module import Module, compact, merge_param
+
+# Type aliases Linen code imports from this module (flax.linen.attention).
+from liftmods.typing import (  # pylint: disable=unused-import
+    Array, DotGeneralT, Dtype, Initializer, PRNGKey, PrecisionLike, Shape)

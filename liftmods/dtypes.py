@@ -12,11 +12,12 @@ dtype('float32')
 >>> [x.dtype for x in promote_dtype(jnp.ones(1, jnp.bfloat16), 1.0)]
 [dtype(bfloat16), dtype(bfloat16)]
 """
-from typing import Any
+from typing import Any, Union
 
+import jax
 import jax.numpy as jnp
 
-Dtype = Any
+Dtype = Union[jax.typing.DTypeLike, Any]
 
 
 _INEXACT: dict = {}

@@ -12,3 +12,8 @@ from liftmods.layers.linear import (Conv, ConvLocal, ConvTranspose, Dense,
                                     PromoteDtypeFn, canonicalize_padding,
                                     default_embed_init, default_kernel_init)
 from liftmods.module import Module, compact
+
+# Type aliases Linen code imports from this module (flax.linen.linear).
+from liftmods.typing import (  # pylint: disable=unused-import
+    Array, ConvGeneralDilatedT, DotGeneralT, Dtype, Initializer,
+    LaxPadding, PRNGKey, PaddingLike, PrecisionLike, Shape)

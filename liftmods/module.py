@@ -1223,3 +1223,8 @@ def _is_within(scope: Scope, ancestor: Scope) -> bool:
       return True
     scope = scope.parent
   return False
+
+# Type aliases Linen code imports from this module (flax.linen.module).
+from liftmods.typing import (  # pylint: disable=unused-import
+    CollectionFilter, FrozenVariableDict, K, PRNGKey, RNGSequences,
+    VariableDict)

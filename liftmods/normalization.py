@@ -13,3 +13,7 @@ from liftmods.layers.normalization import (BatchNorm, GroupNorm,
 from liftmods.layers.weight_norms import SpectralNorm, WeightNorm
 from liftmods.module import Module, compact, merge_param
 from liftmods.transforms import map_variables
+
+# Type aliases Linen code imports from this module (flax.linen.normalization).
+from liftmods.typing import (  # pylint: disable=unused-import
+    Array, Axes, Dtype, Initializer, PRNGKey, Shape)

@@ -270,3 +270,9 @@ def remat(target, variables=True, rngs=True, concrete=False, prevent_cse=True,
       lift.checkpoint, 'core_remat_static', target, variables=variables,
       rngs=rngs, concrete=False, prevent_cse=prevent_cse,
       static_argnums=tuple(static_argnums), policy=policy, methods=methods)
+
+# Type aliases Linen code imports from this module (flax.linen.partitioning).
+from liftmods.typing import (  # pylint: disable=unused-import
+    Array, ArrayPytree, CollectionFilter, InOutAxis, InOutScanAxis,
+    LogicalPartitionSpec, LogicalPartitionSpecPytree, LogicalRules,
+    PRNGSequenceFilter, PartitionSpecPytree)

@@ -16,3 +16,8 @@ from liftmods.layers.recurrent import (RNN, Bidirectional, ConvLSTMCell,
                                        RNNCellBase, SimpleCell,
                                        flip_sequences)
 from liftmods.module import Module, compact, nowrap
+
+# Type aliases Linen code imports from this module (flax.linen.recurrent).
+from liftmods.typing import (  # pylint: disable=unused-import
+    A, Array, CollectionFilter, Dtype, InOutScanAxis, Initializer,
+    PRNGKey, PRNGSequenceFilter, PrecisionLike)

@@ -19,7 +19,7 @@ import dataclasses
 import enum
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Union
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -27,9 +27,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from liftmods.core import meta
 
 # Type aliases under Linen's names, for annotations.
-Array = jax.Array
+Array = Union[jax.Array, Any]
 ArrayPytree = Any
-LogicalNames = tuple
+LogicalNames = tuple[Union[str, None], ...]
 LogicalPartitionSpec = Any  # a PartitionSpec of logical names, or None
 LogicalPartitionSpecPytree = Any
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]

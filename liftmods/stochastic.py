@@ -7,3 +7,7 @@ True
 # pylint: disable=unused-import
 from liftmods.layers.stochastic import Dropout
 from liftmods.module import Module, compact, merge_param
+
+# Type aliases Linen code imports from this module (flax.linen.stochastic).
+from liftmods.typing import (  # pylint: disable=unused-import
+    PRNGKey)

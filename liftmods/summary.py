@@ -468,3 +468,8 @@ def _box(header, body, footer, n_labels, justify, show_lines) -> list:
   lines += [rule('├', '─', '┼', '┤'), *draw(footer, footer_aligns),
             rule('└', '─', '┴', '┘')]
   return lines
+
+# Type aliases Linen code imports from this module (flax.linen.summary).
+from liftmods.typing import (  # pylint: disable=unused-import
+    Array, CollectionFilter, FrozenVariableDict, LogicalNames,
+    MutableVariableDict, PRNGKey, RNGSequences)

@@ -732,3 +732,7 @@ def _jit_like(target, methods, kwargs, prefix, transform):
     return functools.wraps(fn)(_jit_lift(fn, fn_name, None, kwargs,
                                          transform))
   raise errors.TransformTargetError(target)
+
+# Type aliases Linen code imports from this module (flax.linen.transforms).
+from liftmods.typing import (  # pylint: disable=unused-import
+    CollectionFilter, InOutAxis, InOutScanAxis, PRNGSequenceFilter)

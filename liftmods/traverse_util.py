@@ -58,3 +58,17 @@ def unflatten_dict(xs, sep=None):
       node = node.setdefault(k, {})
     node[path[-1]] = {} if value is empty_node else value
   return out
+
+
+def path_aware_map(f, nested_dict):
+  """Map ``f(path, leaf)`` over a nested dict, keeping its structure.
+
+  ``path`` is the tuple of keys leading to the leaf; empty sub-dicts stay.
+
+  >>> params = {'dense': {'kernel': 2.0, 'bias': 1.0}, 'empty': {}}
+  >>> path_aware_map(lambda p, x: 0.0 if p[-1] == 'bias' else x, params)
+  {'dense': {'kernel': 2.0, 'bias': 0.0}, 'empty': {}}
+  """
+  flat = flatten_dict(nested_dict, keep_empty_nodes=True)
+  return unflatten_dict({path: value if value is empty_node else f(path, value)
+                         for path, value in flat.items()})

@@ -416,3 +416,65 @@ def test_kw_only_dataclasses():
     kw.field(kw_only=True)
   with pytest.raises(ValueError, match='list of'):
     kw.dataclass(type('X', (), {}), extra_fields=[('a', int, 3)])
+
+
+# -- type aliases of Linen's submodules and flax.typing, by meaning -----------
+
+_ALIAS_SPACES = SUBMODULES + RESOLVING_ONLY + ('typing',)
+_TYPING_NOT_PROVIDED = {'HashableMapping', 'PytreeDeque', 'SizeBytes',
+                        'BaseConfigContext'}  # flax-internal helper classes
+
+
+def _alias_meaning(obj):
+  """An alias's meaning: its repr with module paths reduced to last names."""
+  import re  # pylint: disable=import-outside-toplevel
+  if isinstance(obj, typing.TypeVar):
+    return ('TypeVar', obj.__name__, repr(obj.__bound__))
+  return re.sub(r'\b(?:flax|liftmods)\.[\w.]*\.(\w+)', r'\1', repr(obj))
+
+
+def _alias_cases():
+  import flax.typing  # pylint: disable=import-outside-toplevel
+  aliases = {n: v for n, v in vars(flax.typing).items()
+             if not n.startswith('_') and not isinstance(v, types.ModuleType)
+             and not inspect.isfunction(v) and not hasattr(typing, n)
+             and getattr(v, '__module__', '') not in ('__future__',
+                                                      'collections',
+                                                      'functools')
+             and n not in _TYPING_NOT_PROVIDED and n != 'MISSING'}
+  for space in _ALIAS_SPACES:
+    mod = (flax.typing if space == 'typing'
+           else importlib.import_module(f'flax.linen.{space}'))
+    for name in sorted(aliases):
+      if vars(mod).get(name, None) is aliases[name]:
+        yield space, name, aliases[name]
+
+
+@pytest.mark.parametrize('space,name,alias', list(_alias_cases()),
+                         ids=lambda v: v if isinstance(v, str) else '')
+def test_type_alias(space, name, alias):
+  ours = importlib.import_module(f'liftmods.{space}')
+  assert hasattr(ours, name), f'liftmods.{space} lacks {name}'
+  assert _alias_meaning(getattr(ours, name)) == _alias_meaning(alias)
+
+
+def test_submodule_helpers_from_traverse_util_and_core_scope():
+  import flax.core.scope  # pylint: disable=import-outside-toplevel
+  import flax.traverse_util  # pylint: disable=import-outside-toplevel
+  import liftmods.core.scope  # pylint: disable=import-outside-toplevel
+  tree = {'a': {'x': 1, 'y': 2}, 'b': {}, 'c': 3}
+  f = lambda path, v: (path, v * 10)
+  assert (liftmods.traverse_util.path_aware_map(f, tree)
+          == flax.traverse_util.path_aware_map(f, tree))
+  cols = {'params': 1, 'batch_stats': 2, 'cache': 3, 'intermediates': 4}
+  filters = [['params'], flax.core.DenyList('cache'), True]
+  assert (liftmods.core.scope.group_collections(cols, filters[:1] + [
+      liftmods.core.DenyList('cache'), True]) ==
+          tuple(flax.core.scope.group_collections(cols, filters)))
+  for name in ('union_filters', 'intersect_filters', 'subtract_filters'):
+    for a, b in ((['a', 'b'], ['b', 'c']), (True, ['a']), (['a'], False)):
+      theirs = getattr(flax.core.scope, name)(a, b)
+      ours = getattr(liftmods.core.scope, name)(a, b)
+      for col in 'abcd':
+        assert (liftmods.core.filters.in_filter(ours, col)
+                == flax.core.scope.in_filter(theirs, col)), (name, a, b, col)

@@ -31,6 +31,7 @@ import numpy as np
 
 from liftmods import errors
 from liftmods.core import meta, partial_eval
+from liftmods.core import filters
 from liftmods.core.filters import in_filter
 from liftmods.config import FLAG_VALUES
 from liftmods.core.frozen_dict import FrozenDict, freeze, unfreeze
@@ -110,7 +111,7 @@ class Scope:
 
   __slots__ = ('_variables', 'parent', 'root', 'name', 'path', 'rngs',
                'rng_counters', 'mutable', 'reservations', 'flags', '_invalid',
-               '_mutability', '__weakref__')
+               '_mutability', '_tree', '__weakref__')
 
   def __init__(self, variables: dict, rngs: Mapping | None = None,
                name: str | None = None, mutable: Any = False,
@@ -129,6 +130,7 @@ class Scope:
     self._invalid = False
     shared = parent is not None and parent.mutable is mutable
     self._mutability = parent._mutability if shared else {}
+    self._tree = []  # every scope derived from this one, for release()
 
   # -- identity and validity ------------------------------------------------
 
@@ -150,6 +152,16 @@ class Scope:
       yield self
     finally:
       self.invalidate()
+
+  def release(self):
+    """Drop the variables and rngs of this scope and every scope derived
+    from it. Modules bound to them form reference cycles, so without this
+    the arrays (or tracers, under a jax transform) would stay alive until
+    the garbage collector runs."""
+    for scope in [self, *self._tree]:
+      scope._variables = {}
+      scope.rngs = {}
+    self._tree.clear()
 
   def _check_valid(self):
     if self._invalid:
@@ -209,6 +221,8 @@ class Scope:
     child.flags = self.flags
     child._invalid = False
     child._mutability = self._mutability
+    child._tree = self._tree
+    self._tree.append(child)
     return child
 
   def rewound(self, rewind_rngs: bool = False) -> 'Scope':
@@ -229,6 +243,8 @@ class Scope:
     scope.flags = self.flags
     scope._invalid = False
     scope._mutability = self._mutability
+    scope._tree = self._tree
+    self._tree.append(scope)
     return scope
 
   # -- collections -----------------------------------------------------------
@@ -378,11 +394,11 @@ class Scope:
 
   def make_rng(self, name: str = 'params'):
     """A fresh key of sequence ``name``; falls back to 'params' like Linen."""
+    self._check_valid()
     if name not in self.rngs:
       if 'params' not in self.rngs:
         raise errors.missing_rng(name, self.name, self.path_text)
       name = 'params'
-    self._check_valid()
     self.rng_counters[name] += 1
     return self.rngs[name].child(self.rng_counters[name]).materialize()
 
@@ -593,10 +609,12 @@ def run(fn: Callable, variables, args, kwargs, rngs=None, mutable=False,
   root = _bind(variables, _normalize_rngs(rngs), mutable, flags)
   try:
     out = fn(root, *args, **kwargs)
+    if mutable is not False:
+      mutated = root.mutable_variables()
   finally:
     root.invalidate()
+    root.release()
   if mutable is not False:
-    mutated = root.mutable_variables()
     if FLAG_VALUES['flax_return_frozendict']:
       mutated = freeze(mutated)
     return out, mutated
@@ -634,3 +652,29 @@ def lazy_init(fn: Callable, mutable=True, flags: Mapping | None = None):
     return init(fn, mutable, flags)(*args, **kwargs)[1]
 
   return partial_eval.lazy_init(variables_only)
+
+
+# Linen's flax.core.scope names for the filter algebra of core/filters.py.
+union_filters = filters.union
+intersect_filters = filters.intersect
+subtract_filters = filters.subtract
+is_filter_empty = filters.is_empty
+
+
+def group_collections(xs: Mapping, col_filters) -> tuple:
+  """Split the collections of ``xs`` by a sequence of filters.
+
+  Each collection goes to the first filter that matches it (later filters
+  never see it); the result has one dict per filter.
+
+  >>> group_collections({'params': 1, 'stats': 2, 'cache': 3},
+  ...                   ['params', True])
+  ({'params': 1}, {'stats': 2, 'cache': 3})
+  """
+  remaining = list(xs)
+  groups = []
+  for col_filter in col_filters:
+    groups.append({col: xs[col] for col in remaining
+                   if in_filter(col_filter, col)})
+    remaining = [col for col in remaining if col not in groups[-1]]
+  return tuple(groups)

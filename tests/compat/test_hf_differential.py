@@ -1,0 +1,71 @@
+"""Hugging Face transformers' Flax models, unmodified, on liftmods.
+
+Each library side runs in its own process (``tests/compat/hf_side.py``): one
+with the real ``flax.linen``, one with :mod:`liftmods.compat` installed before
+transformers is imported. Both build BERT (also with
+``enable_gradient_checkpointing()``, which goes through
+``nn_partitioning.remat``), GPT-2, BART and ViT from tiny configs with the
+same seed, and save initial parameters, eval and train outputs (dropout key
+fixed), gradients and greedy generations with the cache. Every array must be
+equal bit for bit.
+
+Both sides apply the same ``jnp.clip`` shim (``hf_side.shim_jnp_clip``):
+transformers 4.46 passes ``a_min=`` / ``a_max=``, which current JAX rejects.
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip('transformers')
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+MODELS = ('bert', 'bert_remat', 'gpt2', 'bart', 'vit')
+PARTS = {'bert': ('params', 'eval', 'train', 'grads'),
+         'bert_remat': ('params', 'eval', 'train', 'grads'),
+         'gpt2': ('params', 'eval', 'train', 'grads', 'generate'),
+         'bart': ('params', 'eval', 'train', 'grads', 'generate'),
+         'vit': ('params', 'eval', 'train', 'grads')}
+
+
+@pytest.fixture(scope='module')
+def sides(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp('hf')
+  env = {**os.environ, 'PYTHONPATH': ROOT, 'JAX_PLATFORMS': 'cpu'}
+  procs = {side: subprocess.Popen(
+      [sys.executable, '-m', 'tests.compat.hf_side', side,
+       str(tmp / f'{side}.npz'), *MODELS],
+      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True) for side in ('flax', 'liftmods')}
+  out = {}
+  for side, proc in procs.items():
+    _, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, f'{side} side failed:\n{err[-4000:]}'
+    out[side] = dict(np.load(tmp / f'{side}.npz'))
+  return out
+
+
+def test_each_side_used_its_library(sides):
+  assert str(sides['flax']['meta/linen']) == 'flax.linen.linear'
+  assert str(sides['liftmods']['meta/linen']) == 'liftmods.layers.linear'
+
+
+@pytest.mark.parametrize('model', MODELS)
+def test_bit_identical(sides, model):
+  ref, ours = sides['flax'], sides['liftmods']
+  keys = sorted(k for k in ref if k.startswith(model + '/'))
+  assert keys == sorted(k for k in ours if k.startswith(model + '/'))
+  assert {k.split('/')[1].split('[')[0] for k in keys} == set(PARTS[model])
+  for key in keys:
+    assert ref[key].dtype == ours[key].dtype, key
+    np.testing.assert_array_equal(ours[key], ref[key], err_msg=key,
+                                  strict=True)
+
+
+def test_generation_is_not_trivial(sides):
+  """The compared generations produce new tokens (not only padding)."""
+  for model in ('gpt2', 'bart'):
+    seq = sides['flax'][f'{model}/generate']
+    assert len(np.unique(seq[:, -4:])) > 1, (model, seq)
