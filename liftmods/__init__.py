@@ -11,6 +11,7 @@ lifted transforms. ``import liftmods as nn`` runs Linen model code.
 >>> sorted(variables['params'])
 ['Dense_0', 'Dense_1']
 """
+from liftmods import traceback_util  # hides liftmods frames; import first
 from liftmods import batch_apply, config, core, errors, initializers
 from liftmods.batch_apply import BatchApply
 from liftmods import fp8_ops
