@@ -71,7 +71,7 @@ from liftmods.transforms import (add_metadata_axis, checkpoint, cond,
                                  value_and_grad, vjp, vmap, while_loop)
 from liftmods import state
 from liftmods import partitioning, spmd
-from liftmods.sharded_init import init_sharded
+from liftmods.sharded_init import LogicalNamesWarning, init_sharded
 from liftmods.spmd import (LogicallyPartitioned, get_logical_axis_rules,
                            logical_axis_rules, logical_to_mesh,
                            logical_to_mesh_axes, logical_to_mesh_sharding,
