@@ -176,7 +176,7 @@ def test_group_sizes():
   assert pol(nested=True).groups(7, carry_bytes=2048,
                                  sliced_bytes=16384) is None
   assert pol(nested=True).groups(61, carry_bytes=2048,
-                                 sliced_bytes=16384) is None
+                                 sliced_bytes=150_000) is None
   assert pol(nested=True).groups(61, carry_bytes=1 << 19,
                                  sliced_bytes=8 << 20) == 8
   assert pol(nested=3).groups(10) == 4      # 4 + 4 + 2
