@@ -274,7 +274,7 @@ def main(_):
   print(f'  (parameters split over {shards:.2f} devices on average; total '
         f'{_mb(ours["total_param"])})')
   for label, value, ok in checks:
-    print(f'  {label:<40}{value:>8.3f}   {"met" if ok else "NOT met"}')
+    print(f'  {label:<40}{value:>8.3f}   {"yes" if ok else "NO"}')
   if F.dump_hlo:
     os.makedirs(F.dump_hlo, exist_ok=True)
     for r in (ours, theirs):

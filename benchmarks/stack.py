@@ -2,7 +2,7 @@ r"""Layer stacks: gradient memory, compile time and step time of ``nn.Stack``
 policies vs flax.linen's scan/remat/remat_scan and hand-written JAX, in one
 process.
 
-Workload (issue 9): ``depth`` residual blocks LayerNorm -> Dense(4H) -> gelu
+Workload: ``depth`` residual blocks LayerNorm -> Dense(4H) -> gelu
 -> Dense(H) (the gelu output named ``mlp_up``), f32, loss = mean of the
 output; the gradient w.r.t. the parameters is jitted. For each row:
 

@@ -11,6 +11,7 @@ lifted transforms. ``import liftmods as nn`` runs Linen model code.
 >>> sorted(variables['params'])
 ['Dense_0', 'Dense_1']
 """
+from liftmods import traceback_util  # hides liftmods frames; import first
 from liftmods import batch_apply, config, core, errors, initializers
 from liftmods.batch_apply import BatchApply
 from liftmods import fp8_ops
@@ -72,7 +73,7 @@ from liftmods.transforms import (add_metadata_axis, checkpoint, cond,
                                  value_and_grad, vjp, vmap, while_loop)
 from liftmods import state
 from liftmods import partitioning, spmd
-from liftmods.sharded_init import init_sharded
+from liftmods.sharded_init import LogicalNamesWarning, init_sharded
 from liftmods.spmd import (LogicallyPartitioned, get_logical_axis_rules,
                            logical_axis_rules, logical_to_mesh,
                            logical_to_mesh_axes, logical_to_mesh_sharding,

@@ -471,11 +471,19 @@ class ShardingError(LiftmodsError, ValueError):
 class LogicalAxisUnmappedError(ShardingError):
   """A logical axis name matches no rule and ``fallback`` asks for an error."""
 
-  def __init__(self, where, names, rules):
+  def __init__(self, where, names, rules, unmapped=None):
+    if unmapped is None:
+      mapped = {rule[0] for rule in rules}
+      unmapped = [n for n in names if isinstance(n, str) and n not in mapped]
+    unmapped = tuple(unmapped)
+    first = unmapped[0] if unmapped else 'name'
+    which = (repr(unmapped[0]) if len(unmapped) == 1
+             else ', '.join(map(repr, unmapped)))
     super().__init__(
         f'{where}: the logical axis names {tuple(names)} are not all mapped to '
-        f'mesh axes by the rules {tuple(rules)}. Add a rule '
-        '("name", "mesh_axis") or ("name", None) for each.')
+        f'mesh axes by the rules {tuple(rules)}: {which} '
+        f'{"is" if len(unmapped) == 1 else "are"} unmapped. Add a rule '
+        f'({first!r}, \'mesh_axis\') or ({first!r}, None) for each.')
 
 
 class MeshAxisNotFoundError(ShardingError):

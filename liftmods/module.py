@@ -40,6 +40,7 @@ from liftmods.core.filters import DenyList, union
 from liftmods.core.frozen_dict import FrozenDict, freeze
 from liftmods.core.rngs import as_lazy
 from liftmods.core.scope import Scope
+from liftmods.traceback_util import api_boundary
 
 
 class _Context(threading.local):
@@ -899,6 +900,7 @@ class Module:
       method = self.__call__
     return _unbound_fn(method)
 
+  @api_boundary
   def apply(self, variables, *args, rngs=None, method=None, mutable=False,
             capture_intermediates=False, **kwargs):
     """Runs ``method`` (default ``__call__``) with ``variables``; returns the
@@ -912,6 +914,7 @@ class Module:
         lambda scope: _call_bound(scope, fn, self, capture, args, kwargs),
         variables, (), {}, rngs, mutable)
 
+  @api_boundary
   def init_with_output(self, rngs, *args, method=None,
                        mutable=DenyList('intermediates'),
                        capture_intermediates=False, **kwargs):
@@ -923,6 +926,7 @@ class Module:
                             capture_intermediates=capture_intermediates)(
                                 rngs, *args, **kwargs)
 
+  @api_boundary
   def init(self, rngs, *args, method=None, mutable=DenyList('intermediates'),
            capture_intermediates=False, **kwargs):
     """Initializes and returns the variables ``{collection: {...}}``."""
@@ -931,6 +935,7 @@ class Module:
         rngs, *args, method=method, mutable=mutable,
         capture_intermediates=capture_intermediates, **kwargs)[1]
 
+  @api_boundary
   def lazy_init(self, rngs, *args, method=None,
                 mutable=DenyList('intermediates'), **kwargs):
     """Initializes the variables without computing on the inputs: inputs
@@ -951,6 +956,7 @@ class Module:
 
     return partial_eval.lazy_init(init_variables)(rngs, *args, **kwargs)
 
+  @api_boundary
   def module_paths(self, rngs, *args, show_repeated: bool = False,
                    mutable=DenyList('intermediates'), **kwargs) -> dict:
     """``{path: unbound copy of the module called there}`` for every module
@@ -986,6 +992,7 @@ class Module:
     module = self.clone(_deep_clone=True, _reset_names=True, name=None)
     return module, _copy_dicts(self.variables)
 
+  @api_boundary
   def tabulate(self, rngs, *args, **kwargs):
     """A table of submodules, shapes and parameter counts; see
     ``liftmods.tabulate``."""

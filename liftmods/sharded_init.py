@@ -16,7 +16,8 @@ equal an unsharded ``module.init`` with the same key.
 ...                      axis_types=(jax.sharding.AxisType.Auto,))
 >>> dense = nn.Dense(4, kernel_init=nn.with_logical_partitioning(
 ...     nn.initializers.lecun_normal(), ('embed', 'mlp')))
->>> variables, shardings = nn.init_sharded(dense, mesh, (('mlp', 'model'),))(
+>>> rules = (('embed', None), ('mlp', 'model'))  # 'embed' replicated
+>>> variables, shardings = nn.init_sharded(dense, mesh, rules)(
 ...     jax.random.key(0), jnp.ones((2, 3)))
 >>> shardings['params']['kernel'].spec
 P(None, 'model')
@@ -25,6 +26,7 @@ P(None, 'model')
 ...       ['kernel']).all())
 True
 """
+import difflib
 import math
 import warnings
 
@@ -34,13 +36,21 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from liftmods import errors
 from liftmods.core import meta
+from liftmods.traceback_util import api_boundary
 from liftmods.summary import _split  # array leaves apart from static ones
 from liftmods.spmd import (LogicallyPartitioned, RulesFallback, _UNASSIGNED,
                            _assign, get_logical_axis_rules, logical_axis_rules)
 
 
+class LogicalNamesWarning(UserWarning):
+  """``init_sharded`` found a logical axis name of the model that no rule
+  maps (so that dimension is replicated), or a rule whose name is a near
+  spelling of a model name but matches nothing: most often a typo."""
+
+
 def init_sharded(module, mesh, rules=None, *, unbox: bool = True,
-                 fallback=RulesFallback.AXIS_IS_UNSHARDED, **init_kwargs):
+                 fallback=RulesFallback.AXIS_IS_UNSHARDED,
+                 warn_unmapped: bool = True, **init_kwargs):
   """Returns ``fn(rngs, *args, **kwargs) -> (variables, shardings)``.
 
   ``variables`` are ``module.init(rngs, *args, **init_kwargs, **kwargs)``
@@ -52,7 +62,16 @@ def init_sharded(module, mesh, rules=None, *, unbox: bool = True,
   ``fallback=RulesFallback.RAISE_ERROR``. A spec naming a mesh axis the mesh
   lacks, or sharding a dimension its mesh axes do not divide, raises a
   ``ShardingError`` naming the variable's module path.
+
+  The first call checks the model's logical names against the rules and
+  warns once (``LogicalNamesWarning``) when a model name matches no rule or
+  a rule's name matches nothing in the model but is spelled like a model
+  name; the warning names both. Map a name that should be replicated to
+  ``None`` (``('embed', None)``), or pass ``warn_unmapped=False``, to
+  silence it. Rules for names the model does not use and that resemble none
+  of its names (``('batch', 'data')`` for activations) are not reported.
   """
+  checked = not warn_unmapped
   if not jax.config.jax_threefry_partitionable:
     warnings.warn(
         'jax_threefry_partitionable is off: random initializers may be '
@@ -74,14 +93,20 @@ def init_sharded(module, mesh, rules=None, *, unbox: bool = True,
     with logical_axis_rules(active):
       boxed = jax.eval_shape(call, dynamic)
       shardings = mesh_shardings(boxed, mesh, active, fallback)
+    nonlocal checked
+    if not checked:
+      checked = True
+      _warn_unmatched(boxed, active, stacklevel=4)
     jitted = jax.jit(run, out_shardings=shardings)
     return jitted, dynamic, shardings, active
 
+  @api_boundary
   def init_fn(rngs, *args, **kwargs):
     jitted, dynamic, shardings, active = prepare(rngs, args, kwargs)
     with logical_axis_rules(active):
       return jitted(dynamic), shardings
 
+  @api_boundary
   def lower(rngs, *args, **kwargs):
     """``(jax.stages.Lowered, shardings)`` of the sharded init, e.g. for
     ``.compile().memory_analysis()``."""
@@ -125,9 +150,68 @@ def _logical_spec(path, box, rules, fallback):
   axes = _assign(box.names, rules)
   if any(a is _UNASSIGNED for a in axes):
     if fallback == RulesFallback.RAISE_ERROR:
-      raise errors.LogicalAxisUnmappedError(_where(path), box.names, rules)
+      unmapped = [n for n, a in zip(box.names, axes) if a is _UNASSIGNED]
+      raise errors.LogicalAxisUnmappedError(_where(path), box.names, rules,
+                                            unmapped)
     axes = [None if a is _UNASSIGNED else a for a in axes]
   return PartitionSpec(*axes)
+
+
+def logical_name_mismatches(boxed, rules) -> tuple[tuple, tuple]:
+  """``(model_only, rules_only)``: the logical names of the boxes in
+  ``boxed`` that no rule maps, and the rule names no box uses. A box that
+  carries its own rules is checked against those.
+
+  >>> import jax.numpy as jnp, liftmods as nn
+  >>> box = nn.with_logical_partitioning(jnp.zeros, ('embed', 'mlp'))((2, 3))
+  >>> logical_name_mismatches({'kernel': box},
+  ...                         (('embed', 'fsdp'), ('mpl', 'tensor')))
+  (('mlp',), ('mpl',))
+  """
+  rule_names = tuple(dict.fromkeys(rule[0] for rule in rules))
+  model_only = {}
+  for box in _logical_boxes(boxed):
+    known = (rule_names if box.rules is None
+             else {rule[0] for rule in box.rules})
+    model_only.update((n, None) for n in _names(box) if n not in known)
+  used = set(model_names(boxed))
+  return tuple(model_only), tuple(n for n in rule_names if n not in used)
+
+
+def model_names(boxed) -> tuple:
+  """Every logical axis name of the boxes in ``boxed``, in order met."""
+  names = {}
+  for box in _logical_boxes(boxed):
+    names.update((n, None) for n in _names(box))
+  return tuple(names)
+
+
+def _logical_boxes(boxed):
+  leaves = jax.tree_util.tree_leaves(boxed, is_leaf=meta.is_axis_metadata)
+  return [x for x in leaves if isinstance(x, LogicallyPartitioned)]
+
+
+def _names(box):
+  return [n for n in box.names if isinstance(n, str)]
+
+
+def _warn_unmatched(boxed, rules, stacklevel):
+  model_only, rules_only = logical_name_mismatches(boxed, rules)
+  used = model_names(boxed)
+  typos = [n for n in rules_only if difflib.get_close_matches(n, used, n=1)]
+  if not model_only and not typos:
+    return
+  parts = []
+  if model_only:
+    parts.append(f'the model\'s logical axis names {model_only} match no '
+                 'rule, so those dimensions are replicated')
+  if rules_only:
+    parts.append(f'the rules\' names {rules_only} match nothing in the '
+                 'model')
+  warnings.warn(
+      f'init_sharded: {"; ".join(parts)}. Fix the spelling, map a name to '
+      'None to replicate it on purpose, or pass warn_unmapped=False.',
+      LogicalNamesWarning, stacklevel=stacklevel + 1)
 
 
 def _check(path, shape, spec, mesh):

@@ -164,13 +164,40 @@ class StackPolicy:
     names.update(self.offload_block_internals)
     return tuple(sorted(names))
 
-  def groups(self, length: int) -> int | None:
-    """The group size of the nested form for ``length`` layers (or None)."""
+  def groups(self, length: int, carry_bytes: int = 1,
+             sliced_bytes: int = 0) -> int | None:
+    """The group size of the nested form for ``length`` layers, or None
+    for the flat form.
+
+    With ``nested=True`` the size is the one that keeps the fewest bytes
+    for the backward pass by this estimate: one carry per group, one per
+    layer of the group being recomputed, and one copy of the
+    ``sliced_bytes`` of per-layer values (parameters, keys, inputs) that
+    the groups read — two when the groups are uneven, since the remainder
+    group reads its own slice. When no grouping beats keeping every
+    layer's carry (``length * carry_bytes``), it is None: ``'nested'`` is
+    then the same as ``'full'``, so it never keeps more. An explicit number
+    of groups is used as given.
+
+    >>> StackPolicy(nested=True).groups(64)
+    8
+    >>> StackPolicy(nested=True).groups(3) is None  # 2 + 2 carries > 3
+    True
+    """
     if self.nested is False:
       return None
-    n_groups = math.isqrt(length - 1) + 1 if self.nested is True else (
-        self.nested)
-    return -(-length // min(n_groups, length))
+    if self.nested is not True:
+      return -(-length // min(self.nested, length))
+    def cost(size):  # bytes kept; ties: even groups, then size near √L
+      uneven = length % size != 0
+      kept = ((-(-length // size) + size) * carry_bytes +
+              (1 + uneven) * sliced_bytes)
+      return kept, uneven, abs(size - math.sqrt(length))
+
+    best = min(range(2, length), key=cost, default=None)
+    if best is None or cost(best)[0] >= length * carry_bytes:
+      return None
+    return best
 
   def jax_policy(self, offload: bool):
     """The ``jax.checkpoint`` policy; ``offload=False`` keeps the offloaded
@@ -229,6 +256,11 @@ def offload_supported() -> bool:
 
 def _is_array(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray))
+
+
+def _nbytes(tree) -> int:
+  return sum(math.prod(a.shape) * a.dtype.itemsize
+             for a in jax.tree_util.tree_leaves(tree) if _is_array(a))
 
 
 def _tag(tree, name):
@@ -295,7 +327,6 @@ def _stack_transform(layer_fn, *, length, policy, mode, unroll,
   With a ``pipeline`` the layers run on its schedule, except in ``init``,
   which creates the variables as the unpipelined stack does and stores them
   in the pipeline's (stage-major) order."""
-  group = policy.groups(length) if policy is not None else None
   offload = False
   if policy is not None and policy.offloaded_names():
     offload = offload_supported()
@@ -348,6 +379,9 @@ def _stack_transform(layer_fn, *, length, policy, mode, unroll,
         c, out = layer_ck(c, _take(sliced, i))
         outs.append(out)
       return c, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
+
+    group = None if policy is None else policy.groups(
+        length, _nbytes(c), _nbytes(xs))
 
     def all_layers(ready):
       if pipelined:

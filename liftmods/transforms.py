@@ -32,6 +32,7 @@ from liftmods.core.frozen_dict import FrozenDict
 from liftmods.core.scope import Scope, Variable
 from liftmods.module import (Module, _contains, _unbound_fn, _wrap_method,
                              active_interceptors)
+from liftmods.traceback_util import api_boundary
 
 
 # -- collecting and restoring scopes ------------------------------------------------
@@ -219,6 +220,7 @@ def _scope_fn_for(self, state, fn, fn_name, multi_scope=True, cls=None):
   return scope_fn
 
 
+@api_boundary
 def _call_lifted(self, transform, fns, names, trafo_args, trafo_kwargs, args,
                  kwargs, cls=None, multi_scope=True):
   """Runs ``fns`` (methods of ``self``) under ``transform``."""
@@ -656,6 +658,7 @@ def _jit_lift(fn, fn_name, cls, trafo_kwargs, transform=lift.jit):
     return _scope_fn_for(module, module._state.export(), fn, fn_name,
                          cls=cls)(scopes, *args, **kwargs)
 
+  @api_boundary
   def lifted(self, *args, **kwargs):
     nonlocal core, unbound
     if self.scope is None and transform is lift.jit:

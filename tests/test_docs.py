@@ -5,9 +5,18 @@ blocks from 1) and runs with ``exec`` in a fresh namespace, so a block must
 be self-contained: its own imports, no names from earlier blocks. A block
 whose first line is ``# doctest: skip`` is reported as skipped, not run.
 Tracebacks point at the markdown file and its line numbers.
+
+A block fails if it lets any warning escape (a block that means to show a
+warning catches it itself). When a ```text block follows a python block,
+with nothing between them but blank lines and at most one line of prose
+(e.g. "which prints"), it states the block's output: what the block prints
+must equal it, line by line, ignoring trailing spaces.
 """
+import contextlib
+import io
 import pathlib
 import re
+import warnings
 
 import pytest
 
@@ -27,11 +36,9 @@ def _doc_files():
   return files
 
 
-def extract_blocks(text: str):
-  """``[(first_code_line, code)]`` for the python blocks of ``text``;
-  ``first_code_line`` is 1-based. Block indentation is removed."""
-  blocks = []
-  lines = text.splitlines()
+def _fenced(lines):
+  """``[(lang, first_line_index, end_index, body_lines)]`` of every fence."""
+  out = []
   i = 0
   while i < len(lines):
     m = _FENCE.match(lines[i])
@@ -43,11 +50,32 @@ def extract_blocks(text: str):
     j = start
     while j < len(lines) and lines[j].strip() != '```':
       j += 1
-    if lang in ('python', 'py'):
-      body = [ln[len(indent):] if ln.startswith(indent) else ln.lstrip()
-              for ln in lines[start:j]]
-      blocks.append((start + 1, '\n'.join(body) + '\n'))
+    body = [ln[len(indent):] if ln.startswith(indent) else ln.lstrip()
+            for ln in lines[start:j]]
+    out.append((lang, start, j, body))
     i = j + 1
+  return out
+
+
+def extract_blocks(text: str, with_output: bool = False):
+  """``[(first_code_line, code)]`` for the python blocks of ``text``;
+  ``first_code_line`` is 1-based. Block indentation is removed. With
+  ``with_output``, triples whose last item is the stated output (or None)."""
+  lines = text.splitlines()
+  fences = _fenced(lines)
+  blocks = []
+  for k, (lang, start, end, body) in enumerate(fences):
+    if lang not in ('python', 'py'):
+      continue
+    stated = None
+    if k + 1 < len(fences) and fences[k + 1][0] == 'text':
+      between = [ln for ln in lines[end + 1:fences[k + 1][1] - 1]
+                 if ln.strip()]
+      if len(between) <= 1:
+        stated = '\n'.join(fences[k + 1][3])
+    code = '\n'.join(body) + '\n'
+    blocks.append((start + 1, code, stated) if with_output
+                  else (start + 1, code))
   return blocks
 
 
@@ -63,14 +91,15 @@ def _collect():
   params = []
   for path in _doc_files():
     rel = path.relative_to(ROOT)
-    for n, (line, code) in enumerate(
-        extract_blocks(path.read_text(encoding='utf-8')), start=1):
+    for n, (line, code, stated) in enumerate(
+        extract_blocks(path.read_text(encoding='utf-8'), with_output=True),
+        start=1):
       first = code.lstrip().splitlines()[0].strip() if code.strip() else ''
       marks = ()
       if first == SKIP_MARKER:
         marks = (pytest.mark.skip(reason=f'{rel}:{n} is marked '
                                   f'"{SKIP_MARKER}"'),)
-      params.append(pytest.param(str(rel), line, code, marks=marks,
+      params.append(pytest.param(str(rel), line, code, stated, marks=marks,
                                  id=f'{_label(rel)}:{n}'))
   return params
 
@@ -83,12 +112,33 @@ def test_docs_have_python_blocks():
       'no ```python blocks found under docs/')
 
 
-@pytest.mark.parametrize('path,line,code', BLOCKS)
-def test_doc_block(path, line, code):
+def _lines(text):
+  return [ln.rstrip() for ln in text.strip('\n').splitlines()]
+
+
+@pytest.mark.parametrize('path,line,code,stated', BLOCKS)
+def test_doc_block(path, line, code, stated):
   # Pad with blank lines so that tracebacks show the markdown line numbers.
   compiled = compile('\n' * (line - 1) + code, str(ROOT / path), 'exec')
   namespace = {'__name__': '__main__', '__file__': str(ROOT / path)}
-  exec(compiled, namespace)  # pylint: disable=exec-used
+  printed = io.StringIO()
+  with warnings.catch_warnings(record=True) as caught, \
+      contextlib.redirect_stdout(printed):
+    warnings.simplefilter('always')
+    exec(compiled, namespace)  # pylint: disable=exec-used
+  escaped = [f'{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})'
+             for w in caught]
+  assert not escaped, f'{path}:{line} printed warnings:\n' + '\n'.join(
+      escaped)
+  if stated is not None:
+    assert _lines(printed.getvalue()) == _lines(stated), (
+        f'{path}:{line}: printed output differs from the page')
+
+
+def test_count_of_executed_blocks():
+  """Every block runs unless marked; the count is the figure reported."""
+  skipped = [p for p in BLOCKS if p.marks]
+  assert len(BLOCKS) - len(skipped) >= 100, len(BLOCKS)
 
 
 def test_api_reference_fences_doctest_examples():

@@ -6,8 +6,8 @@ differs (parameter names, kinds, order and defaults; for Module classes the
 dataclass fields, with ``parent``/``name`` compared by name only, since
 liftmods makes them keyword-only). ``EXCLUDED`` lists the names liftmods
 deliberately does not provide, each with its reason. ``PENDING_OTHER_BRANCH``
-lists names another helper branch is adding; they are expected failures
-(non-strict) until the lead merges that branch and empties the entry.
+lists names still being added; they are expected failures
+(non-strict) until they land and the entry is emptied.
 """
 import dataclasses
 import importlib

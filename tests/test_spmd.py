@@ -1,6 +1,6 @@
 """Linen's partitioning APIs on one device, differential against flax.linen:
 logical axis rules, LogicallyPartitioned, the older ``nn.partitioning``
-helpers, boxes through lifted transforms, and the fixes listed in issue 8.
+helpers, boxes through lifted transforms, and the fixes for their known gaps.
 (Multi-device behaviour is in test_spmd_mesh.py.)"""
 import threading
 

@@ -152,7 +152,7 @@ def test_init_outputs_grads_match_hand_written_scan(cfg, reference):
   assert tree_close(g, g_ref)
 
 
-@pytest.mark.parametrize('length,nested', [(7, True), (10, 3)])
+@pytest.mark.parametrize('length,nested', [(7, 3), (10, 3)])
 def test_nested_uneven_groups_grads_equal_flat(length, nested):
   flat = lnn.Stack(Tiny, length=length, policy='full')(name='blocks')
   deep = lnn.Stack(Tiny, length=length,
@@ -171,6 +171,14 @@ def test_group_sizes():
   assert pol(nested=True).groups(64) == 8
   assert pol(nested=True).groups(61) == 8   # 7 groups of 8, then 5
   assert pol(nested=True).groups(7) == 3    # 3 + 3 + 1
+  # 'nested' falls back to flat when grouping would keep more bytes.
+  assert pol(nested=True).groups(4) is None  # 2 + 2 carries, not fewer
+  assert pol(nested=True).groups(7, carry_bytes=2048,
+                                 sliced_bytes=16384) is None
+  assert pol(nested=True).groups(61, carry_bytes=2048,
+                                 sliced_bytes=150_000) is None
+  assert pol(nested=True).groups(61, carry_bytes=1 << 19,
+                                 sliced_bytes=8 << 20) == 8
   assert pol(nested=3).groups(10) == 4      # 4 + 4 + 2
   assert pol(nested=100).groups(5) == 1
   assert pol().groups(64) is None

@@ -430,6 +430,8 @@ def _outer_scopes(scope_fn) -> tuple:
 
 def _axis_error(kind, scope, col, path, shape, axis, size, source):
   where = f'variable "{_var_name(path)}" of collection "{col}"'
+  if kind == 'Stack':
+    return _stack_length_error(scope, where, shape, size)
   if len(shape) <= (axis if axis >= 0 else -axis - 1):
     got = f'has shape {shape}, which has no axis {axis}'
   else:
@@ -438,6 +440,19 @@ def _axis_error(kind, scope, col, path, shape, axis, size, source):
       f'{kind} at {scope.path_text}: {where} {got}; expected axis {axis} of '
       f'size {size} ({source}). The variables do not match this transform: '
       'check variable_axes and the axis size, or re-initialize.')
+
+
+def _stack_length_error(scope, where, shape, length):
+  """nn.Stack stores layers on axis 0: a mismatch is a checkpoint saved for
+  another number of layers."""
+  if not shape:
+    got = f'has shape {shape}, with no layer axis'
+  else:
+    got = f'has shape {shape}: the checkpoint has {shape[0]} layers'
+  return errors.VariableAxisError(
+      f'Stack at {scope.path_text}: {where} {got}, the stack {length}. Load '
+      f'variables saved for {length} layers, build the stack with the '
+      "checkpoint's length, or re-initialize.")
 
 
 def _axis_matches(shape, axis, size):

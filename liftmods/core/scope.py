@@ -36,6 +36,7 @@ from liftmods.core.filters import in_filter
 from liftmods.config import FLAG_VALUES
 from liftmods.core.frozen_dict import FrozenDict, freeze, unfreeze
 from liftmods.core.rngs import LazyKey, as_lazy
+from liftmods.traceback_util import api_boundary
 
 _EMPTY = FrozenDict()
 _CHILD = object()  # tags child-scope entries in rng_counters
@@ -596,6 +597,7 @@ def apply(fn: Callable, mutable=False, flags: Mapping | None = None):
   False.
   """
 
+  @api_boundary
   @functools.wraps(fn)
   def wrapper(variables, *args, rngs=None, **kwargs):
     return run(fn, variables, args, kwargs, rngs, mutable, flags)
@@ -625,6 +627,7 @@ def init(fn: Callable, mutable=True, flags: Mapping | None = None):
   """Turns ``fn(scope, *args)`` into ``f(rngs, *args) -> (out, variables)``.
   ``rngs`` is a key (used for 'params') or ``{sequence_name: key}``."""
 
+  @api_boundary
   @functools.wraps(fn)
   def wrapper(rngs, *args, **kwargs):
     init_flags = {**(flags or {}), 'initializing': True}
