@@ -59,7 +59,7 @@ def start_runtime(argv) -> None:
     import jax  # pylint: disable=import-outside-toplevel
     jax.distributed.initialize(a.coordinator_address, a.num_processes,
                                a.process_id)
-  elif a.devices > 1 and 'jax' not in sys.modules:
+  elif a.devices > 1:  # read when the backend starts, not at import
     os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_'
                                f'force_host_platform_device_count='
                                f'{a.devices}').strip()
