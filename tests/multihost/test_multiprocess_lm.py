@@ -135,6 +135,10 @@ def kill_when(workdir: pathlib.Path, ready, victim: int):
   return hook
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get('LIFTMODS_SLOW'),
+                    reason='four 2-process runs (about 220 s CPU): set '
+                    'LIFTMODS_SLOW=1')
 def test_killed_processes_resume_to_the_same_parameters(tmp_path):
   """SIGKILL one process while a checkpoint is being written, restart all
   with --resume; SIGKILL one at a random checkpointed step, restart all
