@@ -237,16 +237,36 @@ def _sorted_keys(d):
     return list(d)
 
 
-def _to_wire(x, sort):
+def check_readable_here(x, path: str) -> None:
+  """Raises if ``x`` is a ``jax.Array`` whose values this process cannot
+  read whole: sharded across processes, some shards live on other hosts.
+
+  >>> check_readable_here(jnp.ones(3), 'params/bias')  # one process: fine
+  """
+  if (isinstance(x, jax.Array) and not x.is_fully_addressable
+      and not x.is_fully_replicated):
+    raise ValueError(
+        f'{path or "<root>"}: a {x.dtype}{list(x.shape)} array sharded '
+        f'across {jax.process_count()} processes ({x.sharding}); this '
+        f'process holds only some of its shards, so its values cannot be '
+        'serialized here. Write it with orbax.checkpoint (every process '
+        'saves its own shards), or gather it first with '
+        'jax.experimental.multihost_utils.process_allgather(x, tiled=True), '
+        f'which copies all {x.nbytes:,} bytes to every process.')
+
+
+def _to_wire(x, sort, path=''):
   """A copy of the container tree with arrays as numpy, big ones chunked.
   With ``sort``, dict keys are sorted (as a pytree copy of the input would
   order them, which is what Linen's non-in-place serialization writes)."""
   if isinstance(x, dict):
     keys = _sorted_keys(x) if sort else list(x)
-    return {k: _to_wire(x[k], sort) for k in keys}
+    return {k: _to_wire(x[k], sort, f'{path}/{k}'.lstrip('/')) for k in keys}
   if type(x) in (list, tuple):
-    return type(x)(_to_wire(v, sort) for v in x)
+    return type(x)(_to_wire(v, sort, f'{path}/{i}'.lstrip('/'))
+                   for i, v in enumerate(x))
   if isinstance(x, jax.Array) and not _is_key(x):
+    check_readable_here(x, path)
     x = np.asarray(x)
   if isinstance(x, np.ndarray) and x.nbytes > _CHUNK:
     flat = x.reshape(-1)

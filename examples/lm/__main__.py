@@ -4,6 +4,8 @@
   python -m examples.lm --resume   # continue from the latest checkpoint
   python -m examples.lm --steps=2000 --layers=6 --d_model=256
   python -m examples.lm --devices=8   # sharded over 8 simulated CPU devices
+  python -m examples.lm --devices=8 --processes=2   # 2 local processes x 4
+  python -m examples.lm --distributed  # one process per host (TPU VM, SLURM)
 """
 import argparse
 import dataclasses
@@ -12,18 +14,59 @@ import sys
 import time
 
 
-def simulate_devices(argv) -> None:
-  """For ``--devices=N`` on the CPU backend, asks XLA for N host devices;
-  this has to happen before JAX is imported."""
-  p = argparse.ArgumentParser(add_help=False)
-  p.add_argument('--devices', type=int, default=1)
-  n = p.parse_known_args(argv)[0].devices
-  if n > 1 and 'jax' not in sys.modules:
+def runtime_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+  add = p.add_argument
+  add('--devices', type=int, default=1,
+      help="train on a ('data', 'model') mesh of this many devices, with "
+      'sharded init and a sharded step (on CPU, simulated devices)')
+  add('--processes', type=int, default=1,
+      help='launch this many local processes, --devices split among them')
+  add('--distributed', action='store_true',
+      help='join a multi-process job: jax.distributed.initialize with the '
+      'flags below, or detected from the cluster (Cloud TPU, SLURM)')
+  add('--coordinator_address', default=None, help='host:port of process 0')
+  add('--num_processes', type=int, default=None)
+  add('--process_id', type=int, default=None)
+  return p
+
+
+def start_runtime(argv) -> None:
+  """Everything that must happen before JAX is used: launching local
+  processes (``--processes``), joining the distributed runtime, or asking
+  XLA for ``--devices`` simulated CPU devices in one process."""
+  from liftmods.testing import multiprocess  # standard library only
+  a = runtime_flags(argparse.ArgumentParser(add_help=False)).parse_known_args(
+      argv)[0]
+  if multiprocess.initialize_from_env():
+    return  # a child of --processes
+  if a.processes > 1:
+    if a.devices % a.processes:
+      sys.exit(f'--devices={a.devices} does not split over '
+               f'--processes={a.processes}')
+    root = os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root)
+    try:
+      runs = multiprocess.launch(
+          [sys.executable, '-m', 'examples.lm', *argv], a.processes,
+          a.devices // a.processes, cwd=root, env=env, timeout=24 * 3600)
+    except multiprocess.ProcessFailed as e:
+      sys.exit(str(e))
+    sys.stderr.write(runs[0].stderr)
+    sys.stdout.write(runs[0].stdout)  # the others print nothing
+    sys.exit(0)
+  if a.distributed or a.coordinator_address:
+    import jax  # pylint: disable=import-outside-toplevel
+    jax.distributed.initialize(a.coordinator_address, a.num_processes,
+                               a.process_id)
+  elif a.devices > 1:  # read when the backend starts, not at import
     os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_'
-                               f'force_host_platform_device_count={n}').strip()
+                               f'force_host_platform_device_count='
+                               f'{a.devices}').strip()
 
 
-simulate_devices(sys.argv[1:] if __name__ == '__main__' else [])
+if __name__ == '__main__':
+  start_runtime(sys.argv[1:])
 
 # pylint: disable=wrong-import-position
 import jax
@@ -35,7 +78,8 @@ from examples.lm.train import TrainConfig, train
 
 def parse(argv=None) -> TrainConfig:
   defaults, model = TrainConfig(), Config()
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = runtime_flags(argparse.ArgumentParser(
+      description=__doc__.splitlines()[0]))
   add = p.add_argument
   add('--steps', type=int, default=defaults.steps)
   add('--batch_size', type=int, default=defaults.batch_size)
@@ -64,9 +108,8 @@ def parse(argv=None) -> TrainConfig:
   add('--sample_length', type=int, default=defaults.sample_length)
   add('--temperature', type=float, default=defaults.temperature)
   add('--no_progress', action='store_true', help='no progress bar')
-  add('--devices', type=int, default=defaults.devices,
-      help="train on a ('data', 'model') mesh of this many devices, with "
-      'sharded init and a sharded step (on CPU, simulated devices)')
+  add('--save_params', action='store_true',
+      help='write the final parameters to params.npz in --workdir')
   a = p.parse_args(argv)
   model = Config(max_len=a.seq_len, num_layers=a.layers, num_heads=a.heads,
                  d_model=a.d_model, dropout_rate=a.dropout)
@@ -78,7 +121,8 @@ def parse(argv=None) -> TrainConfig:
       max_bytes=a.max_bytes, checkpoint_every=a.checkpoint_every,
       workdir=a.workdir, resume=a.resume, stop_at=a.stop_at,
       prompt=a.prompt, sample_length=a.sample_length, temperature=a.temperature,
-      progress=not a.no_progress, devices=a.devices)
+      progress=not a.no_progress, devices=a.devices,
+      save_params=a.save_params)
 
 
 def main(argv=None):
@@ -86,9 +130,12 @@ def main(argv=None):
   cfg = parse(argv)
   model = TransformerLM(cfg.model)
   tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
-  print(model.tabulate(jax.random.key(0), tokens, depth=1,
-                       console_kwargs={'width': 110}))
+  if jax.process_index() == 0:
+    print(model.tabulate(jax.random.key(0), tokens, depth=1,
+                         console_kwargs={'width': 110}))
   result = train(cfg)
+  if jax.process_index():
+    return  # process 0 reports
   history = result['history']
   step = int(result['state']['step'])
   print(f"\nstep {step}: {result['train_time_s']:.1f}s in the training loop, "

@@ -45,7 +45,15 @@ def batch(data: np.ndarray, rng: np.random.Generator, batch_size: int,
           length: int) -> np.ndarray:
   """``[batch_size, length + 1]`` int32 windows at random offsets: inputs
   are ``[:, :-1]``, targets ``[:, 1:]``."""
-  starts = rng.integers(0, len(data) - length - 1, size=batch_size)
+  return batch_rows(data, rng, batch_size, length, slice(None))
+
+
+def batch_rows(data: np.ndarray, rng: np.random.Generator, batch_size: int,
+               length: int, rows: slice) -> np.ndarray:
+  """Rows ``rows`` of :func:`batch` (same ``rng`` state), reading only
+  those rows' bytes: a process builds just its share of a global batch,
+  and the shares of all processes make up the one-process batch."""
+  starts = rng.integers(0, len(data) - length - 1, size=batch_size)[rows]
   idx = starts[:, None] + np.arange(length + 1)
   return data[idx].astype(np.int32)
 

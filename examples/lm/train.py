@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
@@ -50,6 +51,7 @@ class TrainConfig:
   plot: str | None = 'loss.png'
   progress: bool = True
   devices: int = 1  # > 1: a ('data', 'model') mesh over that many devices
+  save_params: bool = False  # write the final parameters to params.npz
 
   @property
   def mesh_shape(self) -> tuple[int, int]:
@@ -64,6 +66,45 @@ class TrainConfig:
   @property
   def seq_len(self) -> int:
     return self.model.max_len
+
+
+# --- several processes --------------------------------------------------------
+
+def local_rows(sharding: jax.sharding.Sharding, batch_size: int) -> slice:
+  """The rows of a ``[batch_size, ...]`` global batch that this process's
+  devices hold under ``sharding`` (all rows in a one-process run)."""
+  index = sharding.addressable_devices_indices_map((batch_size, 1))
+  starts = [idx[0].indices(batch_size)[0] for idx in index.values()]
+  stops = [idx[0].indices(batch_size)[1] for idx in index.values()]
+  rows = slice(min(starts), max(stops))
+  if (rows.stop - rows.start) * jax.process_count() != batch_size:
+    raise ValueError(
+        f'process {jax.process_index()} would hold rows {rows.start}:'
+        f'{rows.stop} of a batch of {batch_size}: the data axis must split '
+        'the batch evenly over processes')
+  return rows
+
+
+def global_batch(local: np.ndarray, sharding, batch_size: int):
+  """A global ``jax.Array`` from this process's rows (``local``)."""
+  if sharding is None:
+    return local
+  return jax.make_array_from_process_local_data(
+      sharding, local, (batch_size,) + local.shape[1:])
+
+
+def on_all_processes(params, mesh):
+  """``params`` copied whole onto every device (an all-gather): a
+  multi-process array can then be read on each host."""
+  if mesh is None or jax.process_count() == 1:
+    return params
+  whole = NamedSharding(mesh, PartitionSpec())
+  return jax.jit(lambda p: p, out_shardings=whole)(params)
+
+
+def is_lead() -> bool:
+  """Process 0 logs, plots, samples and writes the summary."""
+  return jax.process_index() == 0
 
 
 # --- optimizer and steps ---------------------------------------------------
@@ -180,6 +221,7 @@ def make_eval_step(model: TransformerLM):
 
 
 def evaluate(eval_step, params, batches) -> float:
+  """Mean held-out loss (each batch a global array when on a mesh)."""
   return float(np.mean([eval_step(params, b) for b in batches]))
 
 
@@ -225,8 +267,10 @@ def _sample(decoder, params, cache, buf, prompt_len, key, temperature):
 
 def checkpoint_manager(cfg: TrainConfig) -> ocp.CheckpointManager:
   directory = pathlib.Path(cfg.workdir).resolve() / 'checkpoints'
-  if not cfg.resume and directory.exists():
+  if not cfg.resume and directory.exists() and is_lead():
     shutil.rmtree(directory)  # a fresh run starts from step 0
+  if jax.process_count() > 1:  # all processes see the same directory state
+    multihost_utils.sync_global_devices('lm checkpoint directory')
   options = ocp.CheckpointManagerOptions(
       max_to_keep=2, save_interval_steps=cfg.checkpoint_every,
       enable_async_checkpointing=False)
@@ -277,6 +321,8 @@ def plot_losses(history: dict, path: pathlib.Path, title: str):
 def train(cfg: TrainConfig, log=print) -> dict:
   """Trains (or resumes) per ``cfg``; returns the final state, the loss
   history, timings and a sample."""
+  if not is_lead():
+    log = lambda *_: None  # pylint: disable=unnecessary-lambda-assignment
   model = TransformerLM(cfg.model)
   optimizer = make_optimizer(cfg)
   train_data, held_data = data.load(max_bytes=cfg.max_bytes)
@@ -289,7 +335,7 @@ def train(cfg: TrainConfig, log=print) -> dict:
     local = sum(x.addressable_shards[0].data.nbytes
                 for x in jax.tree_util.tree_leaves(state['params']))
     log(f'mesh: {dict(mesh.shape)} over {cfg.devices} {jax.default_backend()} '
-        f'devices; parameters created sharded by nn.init_sharded, '
+        f'devices in {jax.process_count()} process(es); parameters created sharded by nn.init_sharded, '
         f'{local:,} of {total:,} bytes on each device')
   history = {'train': [], 'eval': []}
   manager = checkpoint_manager(cfg)
@@ -299,22 +345,28 @@ def train(cfg: TrainConfig, log=print) -> dict:
   if start:
     log(f'resumed from step {start}')
 
+  batch_sharding = None if mesh is None else NamedSharding(
+      mesh, PartitionSpec('data'))
+  rows = (slice(None) if batch_sharding is None
+          else local_rows(batch_sharding, cfg.batch_size))
   train_step = make_train_step(
       model, optimizer, cfg.seed, state_shardings=shardings,
-      batch_sharding=None if mesh is None else NamedSharding(
-          mesh, PartitionSpec('data')))
+      batch_sharding=batch_sharding)
   eval_step = make_eval_step(model)
-  held = data.eval_batches(held_data, cfg.eval_batches, cfg.batch_size,
-                           cfg.seq_len)
+  held = [global_batch(b[rows], batch_sharding, cfg.batch_size)
+          for b in data.eval_batches(held_data, cfg.eval_batches,
+                                     cfg.batch_size, cfg.seq_len)]
   tokens_per_step = cfg.batch_size * cfg.seq_len
   window, window_start, timed = [], None, (0, 0.0)
   began = time.perf_counter()
   stop = cfg.steps if cfg.stop_at is None else min(cfg.stop_at, cfg.steps)
   bar = tqdm(range(start, stop), initial=start, total=cfg.steps,
-             disable=not cfg.progress, dynamic_ncols=True, desc='train')
+             disable=not cfg.progress or not is_lead(), dynamic_ncols=True, desc='train')
   for i in bar:
     rng = np.random.default_rng([cfg.seed, i])
-    batch = data.batch(train_data, rng, cfg.batch_size, cfg.seq_len)
+    batch = global_batch(
+        data.batch_rows(train_data, rng, cfg.batch_size, cfg.seq_len, rows),
+        batch_sharding, cfg.batch_size)
     state, loss = train_step(state, batch)
     window.append(loss)
     step = i + 1
@@ -333,7 +385,8 @@ def train(cfg: TrainConfig, log=print) -> dict:
     if step % cfg.eval_every == 0 or step == stop:
       held_loss = evaluate(eval_step, state['params'], held)
       history['eval'].append((step, held_loss))
-      bar.write(f'step {step}: held-out loss {held_loss:.4f}')
+      if is_lead():
+        bar.write(f'step {step}: held-out loss {held_loss:.4f}')
       window_start = time.perf_counter()  # keep evals out of tokens/s
     if save(manager, step, state, history, force=step == stop):
       window_start = time.perf_counter()  # and checkpoints
@@ -343,13 +396,22 @@ def train(cfg: TrainConfig, log=print) -> dict:
   tokens_per_s = timed[0] * tokens_per_step / timed[1] if timed[1] else math.nan
 
   sample = ''
+  whole = None
+  if cfg.sample_length or cfg.save_params:  # collective: every process
+    whole = on_all_processes(state['params'], mesh)
   if cfg.sample_length:
-    tokens = generate(model, state['params'], data.encode(cfg.prompt),
+    tokens = generate(model, whole, data.encode(cfg.prompt),
                       cfg.sample_length, jax.random.key(cfg.seed + 2),
                       cfg.temperature)
     sample = data.decode(tokens)
   result = {'state': state, 'history': history, 'tokens_per_s': tokens_per_s,
             'train_time_s': train_time, 'sample': sample}
+  if not is_lead():
+    return result
+  if cfg.save_params:
+    flat = jax.tree_util.tree_flatten_with_path(whole)[0]
+    np.savez(pathlib.Path(cfg.workdir) / 'params.npz', **{
+        jax.tree_util.keystr(k): np.asarray(v) for k, v in flat})
   if cfg.plot and history['train']:
     path = pathlib.Path(cfg.workdir) / cfg.plot
     final = history['eval'][-1][1] if history['eval'] else math.nan

@@ -1,0 +1,2 @@
+"""Helpers for testing liftmods programs (standard library only; not
+imported by ``import liftmods``)."""

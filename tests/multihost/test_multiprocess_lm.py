@@ -1,0 +1,168 @@
+"""Several real JAX processes on this machine (gloo collectives over
+localhost): sharded init, byte counts and serialization errors on arrays
+spread over processes, and the LM demo trained on 2 processes x 4 devices,
+checkpointed, and resumed on 1 x 8 and 4 x 2."""
+import json
+import os
+import random
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from examples.lm.model import TransformerLM
+from examples.lm.train import init_state, make_optimizer
+from liftmods.testing import multiprocess
+from tests.multihost.sharded_init_program import TINY
+from examples.lm.train import TrainConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+ENV = dict(os.environ, PYTHONPATH=str(ROOT))
+FLAGS = ['--seq_len=32', '--layers=2', '--heads=2', '--d_model=32',
+         '--steps=8', '--batch_size=8', '--learning_rate=1e-2',
+         '--warmup_steps=4', '--eval_every=4', '--eval_batches=2',
+         '--checkpoint_every=4', '--max_bytes=100000', '--sample_length=0',
+         '--no_progress', '--save_params', '--devices=8']
+
+
+def lm(workdir, processes: int, *extra):
+  """Runs the demo on ``processes`` local processes; process 0's output."""
+  argv = [sys.executable, '-m', 'examples.lm', *FLAGS,
+          f'--workdir={workdir}', *extra]
+  if processes == 1:
+    env = dict(ENV, JAX_PLATFORMS='cpu')
+    env.pop('XLA_FLAGS', None)
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [multiprocess.Run(0, 0, proc.stdout, proc.stderr)]
+  return multiprocess.launch(argv, processes, 8 // processes, cwd=ROOT,
+                             env=ENV, timeout=300)
+
+
+def outcome(workdir):
+  workdir = pathlib.Path(workdir)
+  history = json.loads((workdir / 'summary.json').read_text())['history']
+  return history, dict(np.load(workdir / 'params.npz'))
+
+
+def test_sharded_init_on_two_processes_equals_one_process(tmp_path):
+  multiprocess.launch(
+      [sys.executable, '-m', 'tests.multihost.sharded_init_program',
+       str(tmp_path)], 2, 4, cwd=ROOT, env=ENV, timeout=120)
+  report = json.loads((tmp_path / 'out.json').read_text())
+  got = dict(np.load(tmp_path / 'out.npz'))
+  cfg = TrainConfig(model=TINY)
+  want, _ = init_state(TransformerLM(TINY), make_optimizer(cfg), 0)
+  flat = jax.tree_util.tree_flatten_with_path(want['params'])[0]
+  assert sorted(got) == sorted(jax.tree_util.keystr(k) for k, _ in flat)
+  for k, v in flat:
+    np.testing.assert_array_equal(got[jax.tree_util.keystr(k)], v)
+  assert report['process_count'] == 2
+  assert report['total_bytes'] == sum(v.nbytes for _, v in flat)
+  # the same per-device figure as the one-process 8-device run prints
+  assert report['device_bytes'] == 73_216 < report['total_bytes']
+  assert not all(report['fully_addressable'])
+  msg = report['to_bytes_error']
+  assert msg is not None and 'sharded across 2 processes' in msg
+  assert msg.startswith('blocks/') or msg.startswith('embed')
+  assert 'orbax.checkpoint' in msg and 'process_allgather' in msg
+
+
+@pytest.fixture(scope='module')
+def one_by_eight(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp('one_by_eight')
+  lm(workdir, 1)
+  return outcome(workdir)
+
+
+def assert_same_run(got, want, upto=None):
+  (history, params), (want_history, want_params) = got, want
+  # held-out losses at every eval step; the first step's training loss (the
+  # later training points average windows that a stop shortens)
+  steps, losses = zip(*history['eval'])
+  want_steps, want_losses = zip(*[p for p in want_history['eval']
+                                  if upto is None or p[0] <= upto])
+  assert steps == want_steps
+  np.testing.assert_allclose(losses, want_losses, rtol=2e-4)
+  assert history['train'][0][0] == want_history['train'][0][0] == 1
+  np.testing.assert_allclose(history['train'][0][1],
+                             want_history['train'][0][1], rtol=2e-4)
+  if params is not None:
+    assert sorted(params) == sorted(want_params)
+    for k, v in params.items():  # gloo sums in another order than in-process
+      np.testing.assert_allclose(v, want_params[k], atol=5e-3, err_msg=k)
+
+
+def test_two_by_four_trains_like_one_by_eight_and_restores_elsewhere(
+    one_by_eight, tmp_path):
+  first = tmp_path / 'two_by_four'
+  runs = lm(first, 2, '--stop_at=4')
+  assert "over 8 cpu devices in 2 process(es)" in runs[0].stdout
+  # only process 0 reports (gloo itself prints its connections)
+  assert [l for l in runs[1].stdout.splitlines()
+          if not l.startswith('[Gloo]')] == []
+  assert_same_run((outcome(first)[0], None), one_by_eight, upto=4)
+  for processes in (1, 4):  # the 2 x 4 checkpoint on 1 x 8, then 4 x 2
+    workdir = tmp_path / f'resumed_{processes}'
+    shutil.copytree(first, workdir)
+    out = lm(workdir, processes, '--resume')
+    assert 'resumed from step 4' in out[0].stdout
+    assert_same_run(outcome(workdir), one_by_eight)
+
+
+def kill_when(workdir: pathlib.Path, ready, victim: int):
+  """An ``on_start`` hook: SIGKILLs process ``victim`` as soon as
+  ``ready(checkpoint directory entries)`` holds."""
+  def hook(procs):
+    def watch():
+      directory = workdir / 'checkpoints'
+      while procs[victim].poll() is None:
+        names = [p.name for p in directory.iterdir()] if directory.exists() \
+            else []
+        if ready(names):
+          procs[victim].send_signal(signal.SIGKILL)
+          return
+        time.sleep(0.005)
+    threading.Thread(target=watch, daemon=True).start()
+  return hook
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get('LIFTMODS_SLOW'),
+                    reason='four 2-process runs (about 220 s CPU): set '
+                    'LIFTMODS_SLOW=1')
+def test_killed_processes_resume_to_the_same_parameters(tmp_path):
+  """SIGKILL one process while a checkpoint is being written, restart all
+  with --resume; SIGKILL one at a random checkpointed step, restart all
+  again; the final parameters equal an uninterrupted run's bit for bit."""
+  every = ['--checkpoint_every=2']
+  straight = tmp_path / 'straight'
+  lm(straight, 2, *every)
+  workdir = tmp_path / 'faulty'
+  argv = [sys.executable, '-m', 'examples.lm', *FLAGS, *every,
+          f'--workdir={workdir}']
+  step = random.Random(os.getpid()).choice([2, 4, 6])
+  kills = [  # (who, when, extra flags)
+      (1, lambda names: any('tmp' in n for n in names), []),
+      (0, lambda names: str(step) in names, ['--resume']),
+  ]
+  for victim, ready, extra in kills:
+    runs = multiprocess.launch(argv + extra, 2, 4, cwd=ROOT, env=ENV,
+                               timeout=300, check=False,
+                               on_start=kill_when(workdir, ready, victim))
+    assert runs[victim].returncode == -signal.SIGKILL
+  runs = multiprocess.launch(argv + ['--resume'], 2, 4, cwd=ROOT, env=ENV,
+                             timeout=300)
+  assert 'resumed from step' in runs[0].stdout
+  got, want = outcome(workdir)[1], outcome(straight)[1]
+  assert sorted(got) == sorted(want)
+  for k, v in want.items():
+    np.testing.assert_array_equal(got[k], v, err_msg=k)
