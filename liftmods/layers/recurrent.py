@@ -510,13 +510,6 @@ class ConvLSTMCell(RNNCellBase):
 # -- sequence wrappers ---------------------------------------------------------------
 
 
-def _broadcast_lengths(lengths, target, time_axis: int):
-  """``lengths`` (one per batch element) shaped to broadcast against
-  ``target`` with the time axis (and the feature axes) as singletons."""
-  lengths = jnp.expand_dims(lengths, axis=time_axis)
-  return lengths.reshape(lengths.shape + (1,) * (target.ndim - lengths.ndim))
-
-
 def flip_sequences(inputs: Array, seq_lengths: Array | None,
                    num_batch_dims: int, time_major: bool) -> Array:
   """Reverses each sequence along the time axis, within its length.

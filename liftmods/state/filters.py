@@ -92,7 +92,6 @@ class Nothing(Filter):
 
 
 class _Combinator(Filter):
-  _word = ''
 
   def __init__(self, *filters):
     self.predicates = tuple(to_predicate(f) for f in filters)
