@@ -1,6 +1,7 @@
 """Differential tests of the lifted transforms against the docstring examples
-of Flax Linen's lifted-transform API (the reference specification in
-``/work/shared/seeds/linen_transforms_reference.py.txt``).
+of Flax Linen's lifted-transform API (the docstrings of ``nn.vmap``,
+``nn.scan``, ``nn.remat`` and the other transforms in
+``flax/linen/transforms.py``, which serve as the reference specification).
 
 Every example model is written ONCE, as ``build(nn)`` (the source is
 parameterized by the namespace), and run twice: with ``nn = flax.linen`` (the
