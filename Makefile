@@ -36,7 +36,7 @@ demo-spirals: $(STAMP)
 	$(VENV)/bin/python -m examples.demo
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -n 2 tests
+	$(VENV)/bin/python -m pytest -n 2 --dist worksteal tests
 
 # The docs site (mkdocs-material + mkdocstrings) into site/; warnings fail.
 docs: $(DOCS_STAMP)

@@ -1,5 +1,5 @@
 r"""Differential fuzzing soak: random Linen programs run under flax.linen and
-liftmods, compared stage by stage (see ``tests/fuzz/compare.py``).
+liftmods, compared stage by stage (see ``tests/differential/fuzz/compare.py``).
 
 Program ``i`` is drawn from ``random.Random(seed + i)``, so any reported
 program is reproduced with ``--seed=<its seed> --programs=1``.
@@ -17,7 +17,7 @@ from absl import app, flags
 import flax.linen as fnn
 
 import liftmods as lnn
-from tests.fuzz import compare, programs
+from tests.differential.fuzz import compare, programs
 
 flags.DEFINE_integer('programs', 100, 'how many programs to run')
 flags.DEFINE_integer('seed', 0, 'seed of the first program')

@@ -11,6 +11,7 @@ from liftmods import errors
 from liftmods.core import (DenyList, FrozenDict, Scope, Variable, apply, bind,
                            freeze, init, meta)
 from liftmods.core.rngs import LazyKey, fold_static
+from treecheck import assert_identical
 
 ones_init = jax.nn.initializers.ones
 zeros_init = jax.nn.initializers.zeros
@@ -30,16 +31,6 @@ def _assert_same_key(a, b):
 
 def _assert_different_key(a, b):
   assert not np.array_equal(_kd(a), _kd(b))
-
-
-def _tree_equal(a, b):
-  """Exact structural + value equality of two pytrees of arrays."""
-  la, ta = jax.tree_util.tree_flatten(a)
-  lb, tb = jax.tree_util.tree_flatten(b)
-  if ta != tb:
-    return False
-  return all(np.array_equal(np.asarray(x), np.asarray(y))
-             for x, y in zip(la, lb))
 
 
 def dense(scope, x, features):
@@ -603,9 +594,10 @@ class TestEntryPoints:
     x = jnp.ones((2, 3))
     _, v1 = init(dense)(KEY, x, 4)
     _, v2 = init(dense)({'params': KEY}, x, 4)
-    assert _tree_equal(v1, v2)
+    assert_identical(v1, v2, same_containers=True)
     _, v3 = init(dense)(jax.random.key(1), x, 4)
-    assert not _tree_equal(v1, v3)
+    with pytest.raises(AssertionError):
+      assert_identical(v1, v3)
 
   def test_init_with_extra_rng_sequences(self):
     def f(scope):
@@ -711,7 +703,7 @@ class TestEntryPoints:
     inner_ids = (id(variables['stats']), id(variables['stats']['a']),
                  id(variables['params']['a']))
     _, mutated = apply(f, mutable=True)(variables)
-    assert _tree_equal(variables, snapshot)
+    assert_identical(variables, snapshot, same_containers=True)
     assert set(variables['stats']) == {'a', 'other'}
     assert set(variables['stats']['a']) == {'m'}
     assert 'cache' not in variables
@@ -724,7 +716,7 @@ class TestEntryPoints:
     # bind with mutable collections copies as well.
     scope = bind(variables, mutable=True)
     scope.push('a').put_variable('stats', 'm', 0)
-    assert _tree_equal(variables, snapshot)
+    assert_identical(variables, snapshot, same_containers=True)
 
   def test_frozen_dict_variables(self):
     variables = freeze({'params': {'w': jnp.ones(2)}, 'stats': {'n': 1}})

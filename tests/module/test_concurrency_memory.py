@@ -8,6 +8,7 @@
   runs with LIFTMODS_SLOW=1 (``pytest -m slow``).
 """
 import concurrent.futures
+import functools
 import gc
 import os
 import threading
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 import liftmods as nn
+import treecheck
 
 N_THREADS = 8
 X = jnp.linspace(-1., 1., 12).reshape(3, 4)
@@ -44,12 +46,9 @@ def _init_apply(model, seed):
   return variables, y, updates
 
 
-def _assert_same(a, b):
-  la, ta = jax.tree_util.tree_flatten(a)
-  lb, tb = jax.tree_util.tree_flatten(b)
-  assert ta == tb
-  for x, y in zip(la, lb):
-    assert np.array_equal(x, y)
+# Container types must match too.
+assert_identical = functools.partial(treecheck.assert_identical,
+                                     same_containers=True)
 
 
 def _run_in_threads(fn, n=N_THREADS):
@@ -68,7 +67,7 @@ def test_one_module_object_from_eight_threads():
   expected = {seed: _init_apply(model, seed) for seed in (0, 1)}
   results = _run_in_threads(lambda i: _init_apply(model, i % 2))
   for i, got in enumerate(results):
-    _assert_same(got, expected[i % 2])
+    assert_identical(got, expected[i % 2])
 
 
 def _define_and_init(i):
@@ -99,7 +98,7 @@ def test_classes_defined_and_instantiated_in_threads():
   names = sorted(expected[0][0]['params'])
   assert names == ['Block_0', 'Block_1', 'Dense_0']
   for i, got in enumerate(_run_in_threads(_define_and_init)):
-    _assert_same(got, expected[i % 2])
+    assert_identical(got, expected[i % 2])
 
 
 # -- memory ----------------------------------------------------------------

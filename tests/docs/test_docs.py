@@ -20,7 +20,7 @@ import warnings
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SKIP_MARKER = '# doctest: skip'
 
 # A fence line: ``` plus an optional language. Blocks run from an opening

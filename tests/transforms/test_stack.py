@@ -17,6 +17,7 @@ from liftmods import errors
 from liftmods import stack as stack_lib
 from liftmods.core import lift as lift_core
 from liftmods.stack import StackOffloadWarning
+from treecheck import assert_close, assert_identical
 
 
 def blocks(nn):
@@ -92,19 +93,6 @@ class Holder(lnn.Module):
     return (stack.scan if self.use_scan else stack)(x, *args, **kwargs)
 
 
-def tree_equal(a, b):
-  la, ta = jax.tree_util.tree_flatten(a)
-  lb, tb = jax.tree_util.tree_flatten(b)
-  return ta == tb and all(np.array_equal(np.asarray(x), np.asarray(y))
-                          for x, y in zip(la, lb))
-
-
-def tree_close(a, b, atol=1e-5):
-  return all(np.allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=1e-5)
-             for x, y in zip(jax.tree_util.tree_leaves(a),
-                             jax.tree_util.tree_leaves(b)))
-
-
 CONFIGS = [
     dict(),
     dict(policy='full'),
@@ -132,7 +120,7 @@ def reference():
   (liftmods), checked once against flax.linen's."""
   flax_vars = ref_model(fnn).init(KEY, X)
   variables = ref_model(lnn).init(KEY, X)
-  assert tree_equal(variables['params'], dict(flax_vars['params']))
+  assert_identical(variables['params'], dict(flax_vars['params']))
   ref = ref_model(lnn, rate=0.3)
   y = ref.apply(variables, X, False, rngs=RNGS)[0]
   y_flax = ref_model(fnn, rate=0.3).apply(variables, X, False, rngs=RNGS)[0]
@@ -144,12 +132,12 @@ def reference():
 @pytest.mark.parametrize('cfg', CONFIGS, ids=str)
 def test_init_outputs_grads_match_hand_written_scan(cfg, reference):
   variables, y_ref, g_ref = reference
-  assert tree_equal(_stack(cfg).init(KEY, X), variables)  # bit-identical
+  assert_identical(_stack(cfg).init(KEY, X), variables)  # bit-identical
   model = _stack(cfg, rate=0.3)
   y = model.apply(variables, X, False, rngs=RNGS)  # same dropout masks
   np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
   g = jax.jit(jax.grad(_loss(model, False)))(variables)
-  assert tree_close(g, g_ref)
+  assert_close(g, g_ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize('length,nested', [(7, 3), (10, 3)])
@@ -158,11 +146,11 @@ def test_nested_uneven_groups_grads_equal_flat(length, nested):
   deep = lnn.Stack(Tiny, length=length,
                    policy=lnn.StackPolicy(nested=nested))(name='blocks')
   variables = flat.init(KEY, X)
-  assert tree_equal(variables, deep.init(KEY, X))
+  assert_identical(variables, deep.init(KEY, X))
   loss = lambda m: jax.grad(lambda v: jnp.sum(m.apply(v, X) ** 2))
   g_flat, g_deep = jax.jit(loss(flat))(variables), jax.jit(loss(deep))(
       variables)
-  assert tree_close(g_flat, g_deep)
+  assert_close(g_flat, g_deep, rtol=1e-5, atol=1e-5)
   assert jax.tree_util.tree_leaves(g_deep)[0].shape[0] == length
 
 
@@ -201,13 +189,14 @@ def test_scan_per_layer_inputs_match_nn_scan(cfg):
                   split_rngs={'params': True},
                   in_axes=(0, fnn.broadcast))(name='blocks')
   variables = ref.init(KEY, X, scale, bias)
-  assert tree_equal(stack.init(KEY, X, scale, bias, method='scan'),
+  assert_identical(stack.init(KEY, X, scale, bias, method='scan'),
                     variables)
   out = stack.apply(variables, X, scale, bias, method='scan')
   expected = ref.apply(variables, X, scale, bias)
   assert out[1].shape == (L, 3)
-  assert tree_close(out, expected)
-  assert tree_close(expected, fref.apply(variables, X, scale, bias))
+  assert_close(out, expected, rtol=1e-5, atol=1e-5)
+  assert_close(expected, fref.apply(variables, X, scale, bias),
+               rtol=1e-5, atol=1e-5)
 
   def loss(fn):
     def f(v, s):
@@ -218,7 +207,7 @@ def test_scan_per_layer_inputs_match_nn_scan(cfg):
   g = loss(lambda v, s: stack.apply(v, X, s, bias, method='scan'))(
       variables, scale)
   g_ref = loss(lambda v, s: ref.apply(v, X, s, bias))(variables, scale)
-  assert tree_close(g, g_ref)
+  assert_close(g, g_ref, rtol=1e-5, atol=1e-5)
 
 
 def test_unroll_passes_through():
@@ -282,7 +271,7 @@ def test_unstack_stack_round_trip():
   assert layers['layers_3']['Dense_0']['kernel'].shape == (H, 2 * H)
   np.testing.assert_array_equal(
       layers['layers_3']['gain'], variables['params']['gain'][3])
-  assert tree_equal(lnn.stack_layers(layers), variables['params'])
+  assert_identical(lnn.stack_layers(layers), variables['params'])
   with pytest.raises(ValueError, match='layers_0 ... layers_<L-1>'):
     lnn.stack_layers({'layer_0': {}})
   with pytest.raises(ValueError, match='not 0 ... 1'):
@@ -307,7 +296,7 @@ def test_loads_unscanned_linen_checkpoint():
     np.testing.assert_allclose(y, Unscanned().apply(linen_vars, X),
                                rtol=1e-5, atol=1e-6)
   back = lnn.unstack_layers(stacked['params'])
-  assert tree_equal(back, dict(linen_vars['params']))
+  assert_identical(back, dict(linen_vars['params']))
 
 
 class Sharded(lnn.Module):
@@ -413,7 +402,7 @@ def test_offload_on_cpu_warns_and_keeps_gradients():
   with warnings.catch_warnings():
     warnings.simplefilter('error')
     g_plain = grad('full')
-  assert tree_close(g, g_plain)
+  assert_close(g, g_plain, rtol=1e-5, atol=1e-5)
 
 
 def test_docstring_examples():

@@ -1,6 +1,7 @@
 """Differential tests of the lifted transforms against the docstring examples
-of Flax Linen's lifted-transform API (the reference specification in
-``/work/shared/seeds/linen_transforms_reference.py.txt``).
+of Flax Linen's lifted-transform API (the docstrings of ``nn.vmap``,
+``nn.scan``, ``nn.remat`` and the other transforms in
+``flax/linen/transforms.py``, which serve as the reference specification).
 
 Every example model is written ONCE, as ``build(nn)`` (the source is
 parameterized by the namespace), and run twice: with ``nn = flax.linen`` (the
@@ -28,46 +29,13 @@ import pytest
 import liftmods as lnn
 import liftmods.core
 import liftmods.core.lift
+from treecheck import assert_close, assert_identical
 
 SEEDS = (0, 1)
 BACKENDS = (fnn, lnn)
 CORE = {fnn: flax.core, lnn: liftmods.core}
 CORE_LIFT = {fnn: flax.core.lift, lnn: liftmods.core.lift}
 RTOL, ATOL = 1e-5, 1e-6
-
-
-# -- comparison helpers --------------------------------------------------------
-
-
-def _leaf_array(x):
-  return np.asarray(x)
-
-
-def assert_identical(actual, expected, what=''):
-  """``actual`` (liftmods) is bit-identical to ``expected`` (flax): same tree
-  structure, same shapes and dtypes, same values."""
-  sa = jax.tree_util.tree_structure(actual)
-  se = jax.tree_util.tree_structure(expected)
-  assert sa == se, f'{what}: tree structure differs:\n{sa}\n!=\n{se}'
-  la, le = jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected)
-  for i, (a, e) in enumerate(zip(la, le)):
-    a, e = _leaf_array(a), _leaf_array(e)
-    assert a.shape == e.shape, f'{what} leaf {i}: {a.shape} != {e.shape}'
-    assert a.dtype == e.dtype, f'{what} leaf {i}: {a.dtype} != {e.dtype}'
-    np.testing.assert_array_equal(a, e, err_msg=f'{what} leaf {i}')
-
-
-def assert_close(actual, expected, what=''):
-  sa = jax.tree_util.tree_structure(actual)
-  se = jax.tree_util.tree_structure(expected)
-  assert sa == se, f'{what}: tree structure differs:\n{sa}\n!=\n{se}'
-  la, le = jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected)
-  for i, (a, e) in enumerate(zip(la, le)):
-    a, e = _leaf_array(a), _leaf_array(e)
-    assert a.shape == e.shape, f'{what} leaf {i}: {a.shape} != {e.shape}'
-    assert a.dtype == e.dtype, f'{what} leaf {i}: {a.dtype} != {e.dtype}'
-    np.testing.assert_allclose(a, e, rtol=RTOL, atol=ATOL,
-                               err_msg=f'{what} leaf {i}')
 
 
 def scalar_loss(tree):
@@ -120,7 +88,8 @@ def check_module(make, init_args, apply_cases=None, *, mutable=False,
     (fo, fv), (lo, lv) = res[fnn], res[lnn]
     assert_identical(lv, fv, f'init variables (seed {seed})')
     if check_init_output:
-      assert_close(lo, fo, f'init output (seed {seed})')
+      assert_close(lo, fo, rtol=RTOL, atol=ATOL,
+                   what=f'init output (seed {seed})')
     if first is None:
       first = (fv, lv)
   fv, lv = first
@@ -135,7 +104,8 @@ def check_module(make, init_args, apply_cases=None, *, mutable=False,
       what = f'({tag}, case {case!r:.50})'
       outs = {nn: mods[nn].apply(vs[nn], *case, mutable=mutable)
               for nn in BACKENDS}
-      assert_close(outs[lnn], outs[fnn], f'apply output {what}')
+      assert_close(outs[lnn], outs[fnn], rtol=RTOL, atol=ATOL,
+                   what=f'apply output {what}')
       if not differentiable:
         continue
 
@@ -149,7 +119,8 @@ def check_module(make, init_args, apply_cases=None, *, mutable=False,
 
       grads = {nn: jax.jit(jax.grad(loss), static_argnums=1)(vs[nn]['params'], nn)
                for nn in BACKENDS}
-      assert_close(grads[lnn], grads[fnn], f'param grads {what}')
+      assert_close(grads[lnn], grads[fnn], rtol=RTOL, atol=ATOL,
+                   what=f'param grads {what}')
   return fv, lv
 
 
@@ -519,16 +490,19 @@ def test_jvp_functional_core():
     res = {nn: CORE[nn].init(fns[nn])(jax.random.key(seed), x)
            for nn in BACKENDS}
     assert_identical(res[lnn][1], res[fnn][1], f'core init vars (seed {seed})')
-    assert_close(res[lnn][0], res[fnn][0], f'core init out (seed {seed})')
+    assert_close(res[lnn][0], res[fnn][0], rtol=RTOL, atol=ATOL,
+                 what=f'core init out (seed {seed})')
   fv = res[fnn][1]
   for vs in (fv, perturb(fv)):
     outs = {nn: CORE[nn].apply(fns[nn])(vs, x) for nn in BACKENDS}
-    assert_close(outs[lnn], outs[fnn], 'core apply output')
+    assert_close(outs[lnn], outs[fnn], rtol=RTOL, atol=ATOL,
+                 what='core apply output')
 
     def loss(params, nn):
       return scalar_loss(CORE[nn].apply(fns[nn])({'params': params}, x))
     grads = {nn: jax.grad(loss)(vs['params'], nn) for nn in BACKENDS}
-    assert_close(grads[lnn], grads[fnn], 'core param grads')
+    assert_close(grads[lnn], grads[fnn], rtol=RTOL, atol=ATOL,
+                 what='core param grads')
 
 
 # -- while_loop ------------------------------------------------------------------
@@ -568,7 +542,8 @@ def test_while_loop_example():
   for tag, v in (('init', vs), ('perturbed', {k: perturb(a, 0.05)
                                               for k, a in vs.items()})):
     res = {nn: mods[nn].apply(v[nn], x, mutable=['state']) for nn in BACKENDS}
-    assert_close(res[lnn], res[fnn], f'while_loop apply ({tag})')
+    assert_close(res[lnn], res[fnn], rtol=RTOL, atol=ATOL,
+                 what=f'while_loop apply ({tag})')
     assert int(res[fnn][1]['state']['acc']) == 10
 
     tangent = jax.tree_util.tree_map(jnp.ones_like, v[fnn]['params'])
@@ -579,7 +554,8 @@ def test_while_loop_example():
       return mods[nn].apply(w, x, mutable=['state'])[0]
     jvps = {nn: jax.jvp(lambda p, nn=nn: fwd(p, nn), (v[nn]['params'],),
                         (tangent,)) for nn in BACKENDS}
-    assert_close(jvps[lnn], jvps[fnn], f'while_loop param jvp ({tag})')
+    assert_close(jvps[lnn], jvps[fnn], rtol=RTOL, atol=ATOL,
+                 what=f'while_loop param jvp ({tag})')
 
 
 # -- cond / switch ---------------------------------------------------------------
@@ -710,13 +686,14 @@ def test_custom_vjp_sign_grad():
 
   grads = {fnn: jax.grad(make(fnn).apply)(fv, x),
            lnn: jax.grad(make(lnn).apply)(lv, x)}
-  assert_close(grads[lnn], grads[fnn], 'jax.grad(Foo().apply)')
+  assert_close(grads[lnn], grads[fnn], rtol=RTOL, atol=ATOL,
+               what='jax.grad(Foo().apply)')
   for g in jax.tree_util.tree_leaves(grads[fnn]):
     assert set(np.unique(np.asarray(g))) <= {-1.0, 0.0, 1.0}
   # input gradient is NOT sign-transformed: it equals the kernel
   xg = {nn: jax.grad(lambda x, nn=nn, v=v: make(nn).apply(v, x))(x2)
         for nn, v in ((fnn, fv), (lnn, lv))}
-  assert_close(xg[lnn], xg[fnn], 'input grads')
+  assert_close(xg[lnn], xg[fnn], rtol=RTOL, atol=ATOL, what='input grads')
   np.testing.assert_allclose(xg[fnn], fv['params']['Dense_0']['kernel'][:, 0],
                              rtol=RTOL, atol=ATOL)
 
@@ -797,15 +774,16 @@ def test_add_metadata_axis():
            for nn in BACKENDS}
     assert_identical(_names_and_values(res[lnn][1]),
                      _names_and_values(res[fnn][1]), f'init (seed {seed})')
-    assert_close(res[lnn][0], res[fnn][0], f'init output (seed {seed})')
+    assert_close(res[lnn][0], res[fnn][0], rtol=RTOL, atol=ATOL,
+                 what=f'init output (seed {seed})')
     vs = {nn: r[1] for nn, r in res.items()}
   (names, _), = jax.tree_util.tree_leaves(
       _names_and_values(vs[fnn]), is_leaf=lambda x: isinstance(x, tuple))
   assert names == ('layers', 'a', 'b')
   outs = {nn: mods[nn].apply(vs[nn], XB) for nn in BACKENDS}
-  assert_close(outs[lnn], outs[fnn], 'apply output')
+  assert_close(outs[lnn], outs[fnn], rtol=RTOL, atol=ATOL, what='apply output')
   grads = {nn: jax.grad(lambda p, nn=nn: scalar_loss(
       mods[nn].apply({'params': p}, XB)))(vs[nn]['params']) for nn in BACKENDS}
   assert _names_only(grads[lnn]) == _names_only(grads[fnn])
   assert_close(_values_only(grads[lnn]), _values_only(grads[fnn]),
-               'param grads')
+               rtol=RTOL, atol=ATOL, what='param grads')

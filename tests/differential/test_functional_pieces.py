@@ -21,16 +21,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from liftmods import activation, attention_fns, dtypes, initializers, pooling
-
-
-def assert_bits_equal(actual, expected):
-  """Same shape, same dtype, same bytes (NaN payloads and -0.0 included)."""
-  actual, expected = np.asarray(actual), np.asarray(expected)
-  assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
-  assert actual.shape == expected.shape, (actual.shape, expected.shape)
-  if actual.tobytes() != expected.tobytes():
-    np.testing.assert_array_equal(actual, expected)
-    raise AssertionError('arrays compare equal but differ bitwise')
+from treecheck import assert_identical
 
 
 def rand(seed, shape, dtype=jnp.float32, scale=3.0):
@@ -84,9 +75,9 @@ def test_zeros_init_ones_init():
   assert initializers.ones_init() is flax_init.ones_init()
   key = jax.random.key(3)
   for dtype in [jnp.float32, jnp.int32, jnp.bfloat16]:
-    assert_bits_equal(initializers.zeros_init()(key, (2, 5), dtype),
+    assert_identical(initializers.zeros_init()(key, (2, 5), dtype),
                       flax_init.zeros_init()(key, (2, 5), dtype))
-    assert_bits_equal(initializers.ones_init()(key, (4,), dtype),
+    assert_identical(initializers.ones_init()(key, (4,), dtype),
                       flax_init.ones_init()(key, (4,), dtype))
   assert_same_signature(initializers.zeros_init, flax_init.zeros_init)
   assert_same_signature(initializers.ones_init, flax_init.ones_init)
@@ -148,7 +139,7 @@ def test_initializer_values_bit_identical(name, kwargs, shape, dtype):
   key = jax.random.key(17)
   out = ours(key, shape, dtype)
   assert out.shape == shape and out.dtype == dtype
-  assert_bits_equal(out, theirs(key, shape, dtype))
+  assert_identical(out, theirs(key, shape, dtype))
 
 
 def test_initializer_keys_matter():
@@ -159,7 +150,7 @@ def test_initializer_keys_matter():
   assert not np.array_equal(a, b)
   # legacy raw uint32 keys work the same way on both sides
   raw = jax.random.PRNGKey(5)
-  assert_bits_equal(init(raw, DENSE), flax_init.lecun_normal()(raw, DENSE))
+  assert_identical(init(raw, DENSE), flax_init.lecun_normal()(raw, DENSE))
 
 
 # --------------------------------------------------------------------------
@@ -279,7 +270,7 @@ def test_promote_dtype_matches(args, kwargs):
     if t is None:
       assert o is None
     else:
-      assert_bits_equal(o, t)
+      assert_identical(o, t)
 
 
 def test_dtype_explicit_dtype_returned_unchanged():
@@ -337,7 +328,7 @@ def test_max_min_pool(shape, window, strides, padding):
     ours = getattr(pooling, name)(x, window, strides=strides, padding=padding)
     theirs = getattr(flax_pooling, name)(x, window, strides=strides,
                                          padding=padding)
-    assert_bits_equal(ours, theirs)
+    assert_identical(ours, theirs)
 
 
 @pytest.mark.parametrize('count_include_pad', [True, False])
@@ -348,7 +339,7 @@ def test_avg_pool(shape, window, strides, padding, count_include_pad):
   ours = pooling.avg_pool(x, window, strides, padding, count_include_pad)
   theirs = flax_pooling.avg_pool(x, window, strides, padding,
                                  count_include_pad)
-  assert_bits_equal(ours, theirs)
+  assert_identical(ours, theirs)
 
 
 @pytest.mark.parametrize('case,dtype', [(2, jnp.bfloat16), (4, jnp.float16)],
@@ -357,12 +348,12 @@ def test_pool_half_precision(case, dtype):
   shape, window, strides, padding = POOL_CASES[case]
   x = rand(case, shape, dtype)
   for name in ('max_pool', 'min_pool'):
-    assert_bits_equal(
+    assert_identical(
         getattr(pooling, name)(x, window, strides, padding),
         getattr(flax_pooling, name)(x, window, strides, padding))
   for include in (True, False):
     out = pooling.avg_pool(x, window, strides, padding, include)
-    assert_bits_equal(out, flax_pooling.avg_pool(x, window, strides, padding,
+    assert_identical(out, flax_pooling.avg_pool(x, window, strides, padding,
                                                  include))
 
 
@@ -379,7 +370,7 @@ def test_pool_custom_reduce_and_jit():
   ours = jax.jit(lambda v: pooling.pool(v, 1.0, jax.lax.mul, (3,), (2,),
                                         ((1, 1),)))(x)
   theirs = flax_pooling.pool(x, 1.0, jax.lax.mul, (3,), (2,), ((1, 1),))
-  assert_bits_equal(ours, theirs)
+  assert_identical(ours, theirs)
 
 
 @pytest.mark.parametrize('padding', [((1, 1),), ((1, 1, 1), (0, 0))])
@@ -416,7 +407,7 @@ def test_avg_pool_property(length, window, stride, pads, batched, include):
   x = rand(length, shape)
   ours = pooling.avg_pool(x, (window,), (stride,), (pads,), include)
   theirs = flax_pooling.avg_pool(x, (window,), (stride,), (pads,), include)
-  assert_bits_equal(ours, theirs)
+  assert_identical(ours, theirs)
 
 
 # --------------------------------------------------------------------------
@@ -434,7 +425,7 @@ def qkv(batch, q_len=5, kv_len=6, heads=2, depth=5, v_depth=3,
 def both_attention(*args, fn='dot_product_attention', **kwargs):
   ours = getattr(attention_fns, fn)(*args, **kwargs)
   theirs = getattr(flax_attention, fn)(*args, **kwargs)
-  assert_bits_equal(ours, theirs)
+  assert_identical(ours, theirs)
   return ours
 
 
@@ -516,7 +507,7 @@ def test_attention_dropout_respects_deterministic_and_rate():
   for kwargs in (dict(dropout_rate=0.5, deterministic=True),
                  dict(dropout_rate=0.0, deterministic=False)):
     out = both_attention(q, k, v, dropout_rng=key, **kwargs)
-    assert_bits_equal(out, clean)
+    assert_identical(out, clean)
 
 
 def test_attention_dtype_and_promotion():
@@ -554,7 +545,7 @@ def test_attention_precision_and_custom_einsums():
     return dot_general
 
   ours_calls, theirs_calls = [], []
-  assert_bits_equal(
+  assert_identical(
       attention_fns.dot_product_attention(
           q, k, v, einsum_dot_general=counting_dot_general(ours_calls)),
       flax_attention.dot_product_attention(
@@ -625,7 +616,7 @@ def test_attention_sows_into_duck_typed_module():
   col, name, value = rec.calls[0]
   assert (col, name) == ('intermediates', 'attention_weights')
   # the pre-dropout weights are what gets sown
-  assert_bits_equal(value,
+  assert_identical(value,
                     flax_attention.dot_product_attention_weights(q, k))
   attention_fns.dot_product_attention(q, k, v, module=None)
   assert len(rec.calls) == 1
@@ -651,7 +642,7 @@ def test_attention_sow_into_linen_intermediates(impl):
   out, state = Attend().apply({}, q, k, v, mutable=['intermediates'])
   ref_out, ref_state = Reference().apply({}, q, k, v,
                                          mutable=['intermediates'])
-  assert_bits_equal(out, ref_out)
+  assert_identical(out, ref_out)
   assert jax.tree_util.tree_structure(state) == (
       jax.tree_util.tree_structure(ref_state))
   jax.tree_util.tree_map(assert_bits_equal, state, ref_state)
@@ -667,7 +658,7 @@ def test_attention_under_jit_matches():
   theirs = jax.jit(functools.partial(
       flax_attention.dot_product_attention, dropout_rate=0.2))(
           q, k, v, dropout_rng=key)
-  assert_bits_equal(ours, theirs)
+  assert_identical(ours, theirs)
 
 
 # --------------------------------------------------------------------------
@@ -684,7 +675,7 @@ def test_make_attention_mask(dtype, extra_batch_dims):
         *args, extra_batch_dims=extra_batch_dims, dtype=dtype)
     theirs = flax_attention.make_attention_mask(
         *args, extra_batch_dims=extra_batch_dims, dtype=dtype)
-    assert_bits_equal(ours, theirs)
+    assert_identical(ours, theirs)
     assert ours.shape == (1,) * extra_batch_dims + (2, 1, 3, 4)
 
 
@@ -695,7 +686,7 @@ def test_make_causal_mask(shape, dtype):
   for extra in (0, 1):
     ours = attention_fns.make_causal_mask(x, extra_batch_dims=extra,
                                           dtype=dtype)
-    assert_bits_equal(ours, flax_attention.make_causal_mask(
+    assert_identical(ours, flax_attention.make_causal_mask(
         x, extra_batch_dims=extra, dtype=dtype))
   n = shape[-1]
   np.testing.assert_array_equal(
@@ -709,7 +700,7 @@ def test_combine_masks():
   c = jnp.ones((1, 1, 4, 4), jnp.float32).at[0, 0, 0, 0].set(0.0)
   for masks in ((a,), (a, b), (a, None, b), (None, a, b, c), (c, c)):
     for dtype in (jnp.float32, jnp.bool_):
-      assert_bits_equal(attention_fns.combine_masks(*masks, dtype=dtype),
+      assert_identical(attention_fns.combine_masks(*masks, dtype=dtype),
                         flax_attention.combine_masks(*masks, dtype=dtype))
   assert attention_fns.combine_masks() is None
   assert attention_fns.combine_masks(None, None) is None

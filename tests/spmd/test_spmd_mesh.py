@@ -1,4 +1,4 @@
-"""Runs the 8-device cases (tests/spmd_mesh_cases.py) in a fresh process.
+"""Runs the 8-device cases (tests/spmd/spmd_mesh_cases.py) in a fresh process.
 
 The number of simulated CPU devices is fixed when JAX starts, and the rest
 of the suite shares its (xdist worker) processes with one device, so the
@@ -10,7 +10,7 @@ import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_spmd_cases_pass_on_eight_devices():
@@ -23,7 +23,7 @@ def test_spmd_cases_pass_on_eight_devices():
                      if p])
   env.pop('PYTEST_XDIST_WORKER', None)
   proc = subprocess.run(
-      [sys.executable, '-m', 'pytest', str(ROOT / 'tests' / 'spmd_mesh_cases.py'),
+      [sys.executable, '-m', 'pytest', str(ROOT / 'tests' / 'spmd' / 'spmd_mesh_cases.py'),
        '-o', 'addopts=', '-q', '-p', 'no:cacheprovider', '-p', 'no:xdist',
        '-rs'],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

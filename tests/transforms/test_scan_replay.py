@@ -1,6 +1,8 @@
 """Scan traces its body once on repeated traces (rng-counter replay) while
 keeping Linen's keys: every init/apply here must match flax.linen bit for bit,
 including when the body's rng use changes between traces of one site."""
+import functools
+
 import flax.linen as fnn
 import jax
 import jax.numpy as jnp
@@ -8,6 +10,7 @@ import numpy as np
 import pytest
 
 import liftmods as lnn
+import treecheck
 from liftmods.core import lift
 
 
@@ -40,10 +43,9 @@ RNGS = {'params': jax.random.key(0), 'dropout': jax.random.key(1),
 X = jnp.ones((2, 4))
 
 
-def assert_same(a, b):
-  assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+# Container types must match too.
+assert_identical = functools.partial(treecheck.assert_identical,
+                                     same_containers=True)
 
 
 def run(nn, train_flags):
@@ -56,7 +58,7 @@ def run(nn, train_flags):
 def test_repeated_inits_match_flax(flags):
   lift._RngReplay._cache.clear()
   for ours, theirs in zip(run(lnn, flags), run(fnn, flags)):
-    assert_same(ours, theirs)
+    assert_identical(ours, theirs)
 
 
 def test_replay_is_used_and_verified(monkeypatch):
@@ -83,5 +85,5 @@ def test_mismatch_falls_back_to_two_traces(monkeypatch):
   first, final = lift._RngReplay._cache[key]
   lift._RngReplay._cache[key] = (first, ())  # a recorded effect that lies
   ours = net.init_with_output(RNGS, X, True)
-  assert_same(ours, build(fnn)().init_with_output(RNGS, X, True))
+  assert_identical(ours, build(fnn)().init_with_output(RNGS, X, True))
   assert lift._RngReplay._cache[key][1] == final  # re-recorded truthfully

@@ -10,22 +10,13 @@ import pytest
 
 import liftmods as lnn
 from liftmods.layers import recurrent
+from treecheck import assert_identical
 
 BOTH = pytest.mark.parametrize('nn', [fnn, lnn], ids=['flax', 'liftmods'])
 
 
 def rand(seed, shape):
   return jax.random.normal(jax.random.key(seed), shape)
-
-
-def assert_identical(expected, actual):
-  e = jax.tree_util.tree_flatten_with_path(expected)[0]
-  a = jax.tree_util.tree_flatten_with_path(actual)[0]
-  assert [p for p, _ in e] == [p for p, _ in a]
-  for (path, x), (_, y) in zip(e, a):
-    x, y = np.asarray(x), np.asarray(y)
-    assert x.dtype == y.dtype and x.shape == y.shape, path
-    np.testing.assert_array_equal(x, y, err_msg=str(path))
 
 
 def both(build, *args, rngs=None, **kwargs):

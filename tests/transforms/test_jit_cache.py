@@ -5,6 +5,7 @@ per backend (so no trace is shared through a class defined earlier). A
 Python-side counter in the jitted body counts traces; liftmods must never
 trace more often than Linen, and must give the same variables and outputs.
 """
+import functools
 from typing import Any
 
 import flax.linen as fnn
@@ -15,17 +16,16 @@ import numpy as np
 import pytest
 
 import liftmods as lnn
+import treecheck
 
 KEY = jax.random.key(0)
 X = jnp.ones((2, 4))
 BACKENDS = (fnn, lnn)
 
 
-def _same_trees(a, b):
-  ta, tb = (jax.tree_util.tree_structure(t) for t in (a, b))
-  assert ta == tb, (ta, tb)
-  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-    np.testing.assert_array_equal(x, y)
+# Container types must match too.
+assert_identical = functools.partial(treecheck.assert_identical,
+                                     same_containers=True)
 
 
 def _identical_blocks(nn, count, in_scan):
@@ -81,7 +81,7 @@ def test_identical_blocks_traced_once(in_scan):
   # at init), however many blocks; nothing on a repeated apply.
   assert counts[lnn][0] == (2 if in_scan else 1), counts
   assert counts[lnn][2] == 0
-  _same_trees(results[lnn], results[fnn])
+  assert_identical(results[lnn], results[fnn])
 
 
 def test_blocks_that_differ_are_not_shared():
@@ -110,7 +110,7 @@ def test_blocks_that_differ_are_not_shared():
     counts[nn] = count
   assert len(counts[lnn]) <= len(counts[fnn]), counts
   assert set(counts[lnn]) == {2.0, -1.0}
-  _same_trees(results[lnn], results[fnn])
+  assert_identical(results[lnn], results[fnn])
   a, _, c = results[lnn][1]
   assert not np.allclose(a, c)
 
@@ -154,7 +154,7 @@ def test_stateful_submodules_do_not_retrace():
     results[nn] = (variables, y)
   assert all(a <= b for a, b in zip(counts[lnn], counts[fnn])), counts
   assert counts[lnn][0] == counts[lnn][1] == counts[lnn][2], counts
-  _same_trees(results[lnn], results[fnn])
+  assert_identical(results[lnn], results[fnn])
 
 
 def _helper_model(nn, jit):
@@ -184,7 +184,7 @@ def test_naming_state_is_part_of_the_key():
   variables = plain.init(KEY, X)
   assert set(variables['params']) == {'Dense_0', 'Dense_1', 'Dense_2'}
   flax_plain = _helper_model(fnn, lambda f: f).init(KEY, X)
-  _same_trees(variables, flax_plain)
+  assert_identical(variables, flax_plain)
   jitted = _helper_model(lnn, lnn.jit)
   np.testing.assert_allclose(jitted.apply(variables, X),
                              plain.apply(variables, X), rtol=1e-6)
@@ -230,7 +230,7 @@ def test_unhashable_serializable_field_is_not_hashed():
     counts[nn] = len(count)
     results[nn] = (variables, ys)
   assert counts[lnn] <= counts[fnn], counts
-  _same_trees(results[lnn], results[fnn])
+  assert_identical(results[lnn], results[fnn])
 
 
 def test_jit_on_init_with_output_override():
@@ -253,4 +253,4 @@ def test_jit_on_init_with_output_override():
     Model().init_with_output(KEY, X)
     assert len(count) == 1, nn  # the second init hits the cache
     results[nn] = (y, variables)
-  _same_trees(results[lnn], results[fnn])
+  assert_identical(results[lnn], results[fnn])

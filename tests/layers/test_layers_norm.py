@@ -8,6 +8,7 @@ depend on what the top-level package exports yet). Variables must agree in
 structure, shapes and dtypes and bit for bit; outputs and gradients too.
 """
 import doctest
+import functools
 import inspect
 from types import SimpleNamespace
 from typing import Callable
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import treecheck
 from liftmods import errors, module as lmodule
 from liftmods.layers import combinators, normalization, stochastic
 
@@ -46,28 +48,10 @@ RANDOM = jax.nn.initializers.normal(0.7)  # non-trivial scale/bias values
 # -- comparison helpers --------------------------------------------------------
 
 
-def assert_bits_equal(actual, expected, what=''):
-  actual, expected = np.asarray(actual), np.asarray(expected)
-  assert actual.dtype == expected.dtype, (what, actual.dtype, expected.dtype)
-  assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
-  if actual.tobytes() != expected.tobytes():
-    np.testing.assert_array_equal(actual, expected, err_msg=what)
-    raise AssertionError(f'{what}: equal values but different bits')
-
-
-def assert_trees_identical(ours, theirs):
-  """Same tree structure (container types included), shapes, dtypes, bits."""
-  assert (jax.tree_util.tree_structure(ours)
-          == jax.tree_util.tree_structure(theirs)), (ours, theirs)
-  paths = jax.tree_util.tree_leaves_with_path(theirs)
-  for (path, t), o in zip(paths, jax.tree_util.tree_leaves(ours)):
-    assert_bits_equal(o, t, jax.tree_util.keystr(path))
-
-
-def assert_outputs_equal(ours, theirs):
-  """Equal outputs. The layers run the same operations in the same order as
-  Linen's, so this is bitwise (stronger than allclose with rtol 1e-6)."""
-  assert_trees_identical(ours, theirs)
+# Container types must match too. Outputs are compared bitwise as well: the
+# layers run the same operations in the same order as Linen's.
+assert_identical = functools.partial(treecheck.assert_identical,
+                                     same_containers=True)
 
 
 def both(build, fn):
@@ -82,9 +66,9 @@ def check_init_apply(build, *args, init_kwargs=None, apply_kwargs=None,
   apply_kwargs = apply_kwargs if apply_kwargs is not None else init_kwargs
   theirs, ours = both(build, lambda m: m.init(jax.random.key(seed), *args,
                                               **init_kwargs))
-  assert_trees_identical(ours, theirs)
+  assert_identical(ours, theirs)
   outs = both(build, lambda m: m.apply(theirs, *args, **apply_kwargs))
-  assert_outputs_equal(outs[1], outs[0])
+  assert_identical(outs[1], outs[0])
   return theirs, outs
 
 
@@ -202,13 +186,13 @@ def test_batch_norm_train_and_eval_match_flax(kwargs):
   assert set(variables['batch_stats']) == {'mean', 'var'}
   (y_t, new_t), (y_o, new_o) = both(build, lambda m: m.apply(
       variables, X4 * 3 - 1, mutable=['batch_stats'], **train))
-  assert_outputs_equal(y_o, y_t)
-  assert_trees_identical(new_o, new_t)
+  assert_identical(y_o, y_t)
+  assert_identical(new_o, new_t)
   assert not np.array_equal(new_t['batch_stats']['mean'],
                             variables['batch_stats']['mean'])
   updated = {**variables, **new_t}
   outs = both(build, lambda m: m.apply(updated, X4, use_running_average=True))
-  assert_outputs_equal(outs[1], outs[0])
+  assert_identical(outs[1], outs[0])
 
 
 def test_batch_norm_constructor_flag_and_init_leaves_stats():
@@ -233,7 +217,7 @@ def test_batch_norm_vmap_axis_name_matches_flax():
   x = rand(7, (4, 3, 6))  # 4 members of the named axis, 3 examples each
   theirs, ours = both(lambda nn: _bn_mapped(nn, x, None, jax.vmap),
                       lambda out: out)
-  assert_outputs_equal(ours, theirs)
+  assert_identical(ours, theirs)
   means = ours[1]['batch_stats']['mean']
   # every member saw the statistics of all 12 examples
   np.testing.assert_allclose(means[0], means[3], rtol=1e-6)
@@ -249,7 +233,7 @@ def test_batch_norm_axis_index_groups_matches_flax():
       _bn_mapped(nn, x, [[0, 1], [2, 3]], jax.vmap)
   theirs, ours = both(lambda nn: _bn_mapped(nn, x[:1], [[0]], jax.pmap),
                       lambda out: out)
-  assert_outputs_equal(ours, theirs)
+  assert_identical(ours, theirs)
 
 
 def test_batch_norm_jit_and_grad_match_flax():
@@ -264,7 +248,7 @@ def test_batch_norm_jit_and_grad_match_flax():
     return jax.jit(jax.value_and_grad(loss))(variables['params'])
 
   theirs, ours = loss_and_grads(fnn), loss_and_grads(LM)
-  assert_outputs_equal(ours, theirs)
+  assert_identical(ours, theirs)
 
 
 # -- Dropout -------------------------------------------------------------------
@@ -286,15 +270,15 @@ def test_dropout_bit_identical_to_flax(kwargs):
   rngs = {col: jax.random.key(11)}
   outs = both(lambda nn: nn.Dropout(**kwargs), lambda m: m.apply(
       {}, X4, deterministic=False, rngs=rngs))
-  assert_bits_equal(outs[1], outs[0])
+  assert_identical(outs[1], outs[0])
 
 
 def test_dropout_explicit_rng_and_constructor_flag():
   key = jax.random.key(4)
   outs = both(lambda nn: nn.Dropout(0.4, deterministic=False),
               lambda m: m.apply({}, X2, rng=key))
-  assert_bits_equal(outs[1], outs[0])
-  assert_bits_equal(outs[0], fnn.Dropout(0.4).apply(
+  assert_identical(outs[1], outs[0])
+  assert_identical(outs[0], fnn.Dropout(0.4).apply(
       {}, X2, deterministic=False, rng=key))
 
 
@@ -307,7 +291,7 @@ def test_dropout_deterministic_is_identity():
 def test_dropout_falls_back_to_params_rng_like_flax():
   outs = both(lambda nn: nn.Dropout(0.5), lambda m: m.apply(
       {}, X2, deterministic=False, rngs={'params': jax.random.key(2)}))
-  assert_bits_equal(outs[1], outs[0])
+  assert_identical(outs[1], outs[0])
 
 
 # -- Sequential ----------------------------------------------------------------
@@ -357,7 +341,7 @@ def test_sequential_inside_compact_matches_flax():
   outs = both(build, lambda m: m.apply(
       variables, X2, train=True, mutable=['batch_stats'],
       rngs={'dropout': jax.random.key(9)}))
-  assert_outputs_equal(outs[1], outs[0])
+  assert_identical(outs[1], outs[0])
 
 
 def test_sequential_spreads_tuples_and_dicts():
@@ -411,8 +395,8 @@ def test_gradients_match_flax():
     return variables, jax.value_and_grad(loss)(variables['params'])
 
   (v_t, g_t), (v_o, g_o) = grads(fnn), grads(LM)
-  assert_trees_identical(v_o, v_t)
-  assert_outputs_equal(g_o, g_t)
+  assert_identical(v_o, v_t)
+  assert_identical(g_o, g_t)
 
 
 # -- errors --------------------------------------------------------------------

@@ -4,7 +4,7 @@ flax.linen. Not collected by the main run (the name does not start with
 process, because the device count is fixed when JAX starts and the rest of
 the suite shares its worker processes with one device.
 
-Run by hand: ``python -m pytest tests/spmd_mesh_cases.py``.
+Run by hand: ``python -m pytest tests/spmd/spmd_mesh_cases.py``.
 """
 import os
 

@@ -13,6 +13,7 @@ from flax.core.scope import LazyRng
 
 from liftmods import core as lcore
 from liftmods.core import meta as lmeta
+import treecheck
 
 SEEDS = [0, 1, 2, 42]
 KEY_MAKERS = {'typed': jax.random.key, 'raw': jax.random.PRNGKey}
@@ -42,20 +43,14 @@ def _as_bits(x):
 
 
 def assert_identical(expected, actual):
-  """Same pytree structure; same dtype, shape and bits at every leaf."""
-  e_leaves, e_def = jax.tree_util.tree_flatten_with_path(expected)
-  a_leaves, a_def = jax.tree_util.tree_flatten_with_path(actual)
-  assert jax.tree_util.tree_structure(expected) == \
-      jax.tree_util.tree_structure(actual), (e_def, a_def)
-  for (e_path, e), (a_path, a) in zip(e_leaves, a_leaves):
-    assert e_path == a_path
-    where = jax.tree_util.keystr(e_path)
+  """The shared bit-exact check with container types, and leaves of one kind
+  on both sides (jax arrays, or the same Python type)."""
+  treecheck.assert_identical(actual, expected, same_containers=True)
+  for (path, e), a in zip(jax.tree_util.tree_leaves_with_path(expected),
+                          jax.tree_util.tree_leaves(actual)):
     assert type(e) is type(a) or (isinstance(e, jax.Array) and
-                                  isinstance(a, jax.Array)), where
-    e_bits, a_bits = _as_bits(e), _as_bits(a)
-    assert e_bits.dtype == a_bits.dtype, where
-    assert e_bits.shape == a_bits.shape, where
-    np.testing.assert_array_equal(a_bits, e_bits, err_msg=where, strict=True)
+                                  isinstance(a, jax.Array)), (
+                                      jax.tree_util.keystr(path))
 
 
 def run_init_both(fn, rngs, *args, **kwargs):

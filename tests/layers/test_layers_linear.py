@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+import treecheck
 from liftmods import initializers as linit
 from liftmods import module as lmodule
 from liftmods.core import meta as lmeta
@@ -64,21 +65,6 @@ def ints(seed, shape, high, dtype=jnp.int32):
   return jnp.asarray(x.astype(dtype))
 
 
-def assert_bits_equal(actual, expected):
-  actual, expected = np.asarray(actual), np.asarray(expected)
-  assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
-  assert actual.shape == expected.shape, (actual.shape, expected.shape)
-  np.testing.assert_array_equal(actual, expected)
-
-
-def assert_trees_equal(actual, expected):
-  assert (jax.tree_util.tree_structure(actual) ==
-          jax.tree_util.tree_structure(expected))
-  for a, e in zip(jax.tree_util.tree_leaves(actual),
-                  jax.tree_util.tree_leaves(expected)):
-    assert_bits_equal(a, e)
-
-
 def loss_of(model, *inputs):
 
   def loss(variables):
@@ -113,6 +99,11 @@ def fast_jit(fn):
     return jax.jit(fn)
 
 
+# Container types must match too (both sides give plain dicts).
+assert_identical = functools.partial(treecheck.assert_identical,
+                                     same_containers=True)
+
+
 def check(make_layer, *inputs, call=None, seeds=SEEDS, grad=True):
   """The whole differential comparison for one configuration. Both models
   run inside one jitted function, compiled once for all seeds."""
@@ -122,10 +113,10 @@ def check(make_layer, *inputs, call=None, seeds=SEEDS, grad=True):
   for seed in seeds:
     (vars_l, out_l, grads_l), (vars_f, out_f, grads_f) = both(
         jax.random.key(seed))
-    assert_trees_equal(vars_l, vars_f)
-    assert_bits_equal(out_l, out_f)
+    assert_identical(vars_l, vars_f)
+    assert_identical(out_l, out_f)
     if grad:
-      assert_trees_equal(grads_l, grads_f)
+      assert_identical(grads_l, grads_f)
   return vars_l, out_l
 
 
@@ -204,7 +195,7 @@ def test_dense_general_boxed_kernel_init():
     box_f = vars_f['params']['DenseGeneral_0']['kernel']
     assert isinstance(box_l, lmeta.Partitioned)
     assert box_l.names == box_f.names == ('a', 'b', 'c')
-    assert_bits_equal(box_l.value, box_f.value)
+    assert_identical(box_l.value, box_f.value)
 
 
 # -- Einsum --------------------------------------------------------------------
@@ -431,10 +422,10 @@ def test_setup_submodule_and_jit():
   idx = ints(2, (2, 5), 5)
   vars_l = fast_jit(build(LIFT).init)(jax.random.key(3), idx)
   vars_f = fast_jit(build(FLAX).init)(jax.random.key(3), idx)
-  assert_trees_equal(vars_l, vars_f)
+  assert_identical(vars_l, vars_f)
   out_l = fast_jit(build(LIFT).apply)(vars_f, idx)
   out_f = fast_jit(build(FLAX).apply)(vars_f, idx)
-  assert_trees_equal(out_l, out_f)
+  assert_identical(out_l, out_f)
 
 
 @pytest.mark.parametrize('layer', ['Einsum', 'Conv', 'DenseGeneral'])
@@ -454,7 +445,7 @@ def test_capture_all_methods(layer):
     _, state = model.apply(variables, x, mutable=['intermediates'],
                            capture_intermediates=lambda m, name: True)
     captured.append((variables, state))  # eager init: also bit-identical
-  assert_trees_equal(*captured)
+  assert_identical(*captured)
 
 
 # -- signatures and helpers ----------------------------------------------------
@@ -510,7 +501,7 @@ def test_module_defaults_are_linen_defaults():
   key = jax.random.key(4)
   for name in ('default_kernel_init', 'default_embed_init'):
     ours, theirs = getattr(linear, name), getattr(fnn.linear, name)
-    assert_bits_equal(ours(key, (5, 3)), theirs(key, (5, 3)))
+    assert_identical(ours(key, (5, 3)), theirs(key, (5, 3)))
 
 
 def test_doctests():

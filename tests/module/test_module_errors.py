@@ -322,7 +322,7 @@ def test_reassign_dataclass_field_in_setup():
 
 
 # Several @compact methods on one class are allowed, as in Linen: see
-# tests/test_linen_behaviours.py.
+# tests/differential/test_linen_behaviours.py.
 
 
 def test_reserved_field_names():

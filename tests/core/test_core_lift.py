@@ -21,6 +21,7 @@ from liftmods.core import apply as lapply
 from liftmods.core import init as linit
 from liftmods.core import lift as llift
 from liftmods.core import meta as lmeta
+import treecheck
 
 FLAX = dict(lift=flift, init=finit, apply=fapply, meta=fmeta,
             broadcast=faxes_scan.broadcast)
@@ -31,24 +32,9 @@ lecun = jax.nn.initializers.lecun_normal()
 normal = jax.nn.initializers.normal(0.5)
 
 
-def _bits(x):
-  if hasattr(x, 'dtype') and jax.dtypes.issubdtype(x.dtype,
-                                                     jax.dtypes.prng_key):
-    return np.asarray(jax.random.key_data(x))
-  return np.asarray(x)
-
-
-def assert_identical(expected, actual):
-  """Same pytree structure and, at every leaf, same dtype, shape and bits."""
-  e_leaves, e_tree = jax.tree_util.tree_flatten_with_path(expected)
-  a_leaves, a_tree = jax.tree_util.tree_flatten_with_path(actual)
-  assert e_tree == a_tree, f'\n{e_tree}\n!=\n{a_tree}'
-  for (path, e), (_, a) in zip(e_leaves, a_leaves):
-    where = jax.tree_util.keystr(path)
-    e, a = _bits(e), _bits(a)
-    assert e.dtype == a.dtype, (where, e.dtype, a.dtype)
-    assert e.shape == a.shape, (where, e.shape, a.shape)
-    np.testing.assert_array_equal(a, e, err_msg=where, strict=True)
+# Container types must match too.
+assert_identical = functools.partial(treecheck.assert_identical,
+                                     same_containers=True)
 
 
 def _float_sum(tree):

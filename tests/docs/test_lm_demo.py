@@ -121,7 +121,7 @@ def test_generate_is_deterministic_and_keeps_prompt():
 def test_eight_devices_train_like_one(straight, tmp_path):
   """``python -m examples.lm --devices=8`` (sharded init, sharded step on a
   4x2 mesh of simulated CPU devices) follows the one-device run."""
-  root = pathlib.Path(__file__).resolve().parent.parent
+  root = pathlib.Path(__file__).resolve().parents[2]
   env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=str(root))
   env.pop('XLA_FLAGS', None)  # the demo sets the device count itself
   m = TINY.model

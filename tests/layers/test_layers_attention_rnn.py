@@ -7,6 +7,7 @@ match in structure, shape and dtype, initial values bit for bit, outputs and
 gradients to float tolerance (bitwise where the computation is identical).
 """
 import dataclasses
+import functools
 import doctest
 import inspect
 import types
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import treecheck
 from liftmods import activation, attention_fns, errors, initializers, module
 from liftmods.layers import (activation_modules, attention, linear,
                              normalization, recurrent, stochastic)
@@ -56,27 +58,10 @@ def tree_sig(tree):
           for p, x in flat}
 
 
-def assert_identical(expected, actual):
-  """Same structure and, at every leaf, same dtype, shape and bits."""
-  assert jax.tree_util.tree_structure(expected) == \
-      jax.tree_util.tree_structure(actual)
-  assert tree_sig(expected) == tree_sig(actual)
-  for (path, e), a in zip(jax.tree_util.tree_flatten_with_path(expected)[0],
-                          jax.tree_util.tree_leaves(actual)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(e),
-                                  err_msg=jax.tree_util.keystr(path),
-                                  strict=True)
-
-
-def assert_close(expected, actual, rtol=1e-5, atol=1e-6):
-  assert jax.tree_util.tree_structure(expected) == \
-      jax.tree_util.tree_structure(actual)
-  for e, a in zip(jax.tree_util.tree_leaves(expected),
-                  jax.tree_util.tree_leaves(actual)):
-    e, a = np.asarray(e), np.asarray(a)
-    assert e.dtype == a.dtype and e.shape == a.shape
-    np.testing.assert_allclose(a.astype(np.float32), e.astype(np.float32),
-                               rtol=rtol, atol=atol)
+# Exact: container types must match as well (both sides give plain dicts).
+assert_identical = functools.partial(treecheck.assert_identical,
+                                     same_containers=True)
+assert_close = functools.partial(treecheck.assert_close, same_containers=True)
 
 
 def both(make):
@@ -98,7 +83,10 @@ def check_init_apply(make, args, seeds=SEEDS, apply_kwargs=None,
     kw['rngs'] = rngs
   f_out = f_mod.apply(f_vars, *args, **kw)
   l_out = l_mod.apply(f_vars, *args, **kw)
-  (assert_identical if bitwise_out else assert_close)(f_out, l_out)
+  if bitwise_out:
+    assert_identical(f_out, l_out)
+  else:
+    assert_close(f_out, l_out, rtol=1e-5, atol=1e-6)
   return f_vars, f_out
 
 
@@ -300,7 +288,7 @@ def test_mha_sow_weights():
   assert_identical(f_vars, l_mod.init(jax.random.key(0), x))
   f_out = f_mod.apply(f_vars, x, mutable=['intermediates'])
   l_out = l_mod.apply(f_vars, x, mutable=['intermediates'])
-  assert_close(f_out, l_out)
+  assert_close(f_out, l_out, rtol=1e-5, atol=1e-6)
   assert 'attention_weights' in str(jax.tree_util.tree_structure(l_out[1]))
 
 
@@ -310,7 +298,8 @@ def test_capture_intermediates_tree_matches_linen():
       num_heads=2, normalize_qk=True))
   variables = f_mod.init(jax.random.key(0), x)
   kw = dict(capture_intermediates=True, mutable=['intermediates'])
-  assert_close(f_mod.apply(variables, x, **kw), l_mod.apply(variables, x, **kw))
+  assert_close(f_mod.apply(variables, x, **kw),
+               l_mod.apply(variables, x, **kw), rtol=1e-5, atol=1e-6)
 
 
 def test_mha_custom_attention_fn_gets_only_declared_kwargs():
@@ -326,7 +315,8 @@ def test_mha_custom_attention_fn_gets_only_declared_kwargs():
   variables = layer.init(jax.random.key(0), x)
   assert seen == {'mask': None}
   theirs = fnn.MultiHeadDotProductAttention(num_heads=2)
-  assert_close(theirs.apply(variables, x), layer.apply(variables, x))
+  assert_close(theirs.apply(variables, x), layer.apply(variables, x),
+               rtol=1e-5, atol=1e-6)
 
 
 def test_mha_einsum_factories():
@@ -345,7 +335,7 @@ def test_mha_inputs_kv_deprecated_path():
   variables = f_mod.init(jax.random.key(0), q, kv)
   with pytest.warns(DeprecationWarning, match='inputs_kv'):
     out = l_mod.apply(variables, q, inputs_kv=kv)
-  assert_close(f_mod.apply(variables, q, kv), out)
+  assert_close(f_mod.apply(variables, q, kv), out, rtol=1e-5, atol=1e-6)
 
 
 def test_mha_mask_passed_positionally_warns():
@@ -423,8 +413,8 @@ def test_decode_cache_steps_match_linen(kw):
                                mutable=['cache'])
     l_out, l_upd = l_mod.apply({**params, 'cache': l_cache}, step,
                                mutable=['cache'])
-    assert_close(f_out, l_out)
-    assert_close(f_upd, l_upd)
+    assert_close(f_out, l_out, rtol=1e-5, atol=1e-6)
+    assert_close(f_upd, l_upd, rtol=1e-5, atol=1e-6)
     f_cache, l_cache = f_upd['cache'], l_upd['cache']
     assert int(l_cache['cache_index']) == t + 1
   # A full causal pass agrees with the step-by-step decode.
@@ -449,7 +439,7 @@ def test_decode_with_extra_mask_and_jit():
       outs.append(out)
     return outs, v['cache']
 
-  assert_close(run(f_mod), run(l_mod))
+  assert_close(run(f_mod), run(l_mod), rtol=1e-5, atol=1e-6)
 
 
 # -- errors --------------------------------------------------------------------
@@ -604,7 +594,8 @@ def test_lstm_and_optimized_lstm_share_parameters():
   carry = cell.initialize_carry(jax.random.key(0), x.shape)
   v = cell.init(jax.random.key(1), carry, x)
   assert_identical(v, opt.init(jax.random.key(1), carry, x))
-  assert_close(cell.apply(v, carry, x), opt.apply(v, carry, x))
+  assert_close(cell.apply(v, carry, x), opt.apply(v, carry, x),
+               rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize('name', ['LSTMCell', 'OptimizedLSTMCell', 'GRUCell',
