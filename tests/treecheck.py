@@ -85,6 +85,9 @@ def assert_close(actual, expected, *, rtol, atol, what='',
     ta, te = (jax.tree_util.tree_structure(t) for t in (actual, expected))
     assert ta == te, f'{what}: containers differ:\n  {ta}\n  {te}'
   for where, x, y in _paired_leaves(actual, expected, what):
+    if x.dtype.kind in 'USO':  # strings (e.g. axis names), objects
+      np.testing.assert_array_equal(x, y, err_msg=where)
+      continue
     if jax.dtypes.issubdtype(x.dtype, np.floating):  # bfloat16 included
       x, y = x.astype(np.float64), y.astype(np.float64)
     np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=where)

@@ -219,7 +219,7 @@ def test_activation_outputs_identical_eager(name):
   x = _activation_input(jnp.float32)
   ours = call(getattr(activation, name), x)
   theirs = call(getattr(flax_nn, name), x)
-  jax.tree_util.tree_map(assert_bits_equal, ours, theirs)
+  assert_identical(ours, theirs)
 
 
 @pytest.mark.parametrize('name', ['gelu', 'silu', 'softplus', 'log_softmax',
@@ -229,7 +229,7 @@ def test_activation_outputs_identical_bfloat16_jit(name):
   x = _activation_input(jnp.bfloat16)
   ours = jax.jit(functools.partial(call, getattr(activation, name)))(x)
   theirs = jax.jit(functools.partial(call, getattr(flax_nn, name)))(x)
-  jax.tree_util.tree_map(assert_bits_equal, ours, theirs)
+  assert_identical(ours, theirs)
 
 
 # --------------------------------------------------------------------------
@@ -645,7 +645,7 @@ def test_attention_sow_into_linen_intermediates(impl):
   assert_identical(out, ref_out)
   assert jax.tree_util.tree_structure(state) == (
       jax.tree_util.tree_structure(ref_state))
-  jax.tree_util.tree_map(assert_bits_equal, state, ref_state)
+  assert_identical(state, ref_state)
   assert state['intermediates']['attention_weights'][0].shape == (2, 2, 5, 6)
 
 

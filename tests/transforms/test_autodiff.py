@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lifted_check import ATOL, RTOL
 from lifted_check import BACKENDS, X4, mlp, check
 import liftmods as lnn
 from treecheck import assert_identical
@@ -56,9 +57,9 @@ def test_value_and_grad_and_grad_module_level():
       def __call__(self, x):
         def f(mdl, x):
           return jnp.sum(mdl(x) ** 2)
-        mlp = mlp(nn)(2)
-        value, (x_grad,) = nn.value_and_grad(f, mlp, x)
-        (x_grad2,) = nn.grad(f, mlp, x)
+        net = mlp(nn)(2)
+        value, (x_grad,) = nn.value_and_grad(f, net, x)
+        (x_grad2,) = nn.grad(f, net, x)
         return value, x_grad, x_grad2
     return Model()
 
@@ -91,11 +92,11 @@ def test_jvp_module_level():
     class Model(nn.Module):
       @nn.compact
       def __call__(self, x):
-        mlp = mlp(nn)(2)
-        y0 = mlp(x)  # create the params before taking tangents
-        p = mlp.variables['params']
+        net = mlp(nn)(2)
+        y0 = net(x)  # create the params before taking tangents
+        p = net.variables['params']
         t = jax.tree_util.tree_map(lambda a: jnp.full_like(a, 0.5), p)
-        y, y_t = nn.jvp(lambda mdl, x: mdl(x), mlp, (x,),
+        y, y_t = nn.jvp(lambda mdl, x: mdl(x), net, (x,),
                         (jnp.ones_like(x),), {'params': t})
         return y0, y, y_t
     return Model()

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lifted_check import ATOL, RTOL
 from lifted_check import X4, check
 import liftmods as lnn
 

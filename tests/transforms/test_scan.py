@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lifted_check import ATOL, RTOL
 from lifted_check import BACKENDS, C0, XS, block, dropout_block, check, shapes
 import liftmods as lnn
 from treecheck import assert_close

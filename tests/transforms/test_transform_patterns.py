@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lifted_check import ATOL, RTOL
 from lifted_check import (BACKENDS, C0, X4, XS, autoencoder, block,
                           dropout_block, mlp, rng_dict, check, shapes)
 import liftmods as lnn

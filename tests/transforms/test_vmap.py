@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lifted_check import ATOL, RTOL
 from lifted_check import BACKENDS, X4, autoencoder, mlp, check, shapes
 import liftmods as lnn
 from treecheck import assert_close
