@@ -132,8 +132,11 @@ def test_growth_detects_a_leak():
   """The measure is not vacuous: a call that keeps its outputs shows."""
   kept = []
   objects, arrays = _growth(lambda: kept.append(jnp.ones(2) + 1) or kept[-1],
-                            warmup=5, calls=100)
-  assert objects >= 90 and arrays >= 90
+                            warmup=5, calls=300)
+  # Every kept output is a live array; the object count is noisier (other
+  # caches fill and drain), so it must only clear the non-leak tolerance
+  # below (fewer than max(100, calls // 20) new objects) by a wide margin.
+  assert arrays >= 300 and objects >= 150, (objects, arrays)
 
 
 def _calls(jitted):
