@@ -19,12 +19,10 @@ inline in a ``@compact`` method (auto-named ``ClassName_N``) or assigned in
 >>> jax.tree_util.tree_map(jnp.shape, variables)
 {'params': {'b': (4,), 'w': (3, 4)}}
 """
-import contextlib
 import dataclasses
 import functools
 import inspect
 import itertools
-import threading
 import types
 import weakref
 from collections.abc import Mapping
@@ -33,7 +31,12 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from liftmods import config, errors
+from liftmods import call_context, config, errors
+from liftmods.call_context import ModuleCall, run_interceptors
+# The call hooks under their flax.linen.module names (and record_calls).
+from liftmods.call_context import (  # pylint: disable=unused-import
+    InterceptorContext, active_interceptors, current_module,
+    intercept_methods, record_calls)
 from liftmods.core import partial_eval
 from liftmods.core import scope as core
 from liftmods.core.filters import DenyList, union
@@ -43,15 +46,8 @@ from liftmods.core.scope import Scope
 from liftmods.traceback_util import api_boundary
 
 
-class _Context(threading.local):
-
-  def __init__(self):
-    self.module_stack = [None]
-    self.capture_stack = []
-    self.interceptors = []
-
-
-_context = _Context()
+# This thread's running modules, capture filters, interceptors and recording.
+_calls = call_context.calls
 
 
 class _Unspecified:
@@ -202,85 +198,6 @@ def nowrap(fun):
   handling (e.g. one that only builds submodules for a caller)."""
   fun.nowrap = True
   return fun
-
-
-# -- method interceptors ---------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class InterceptorContext:
-  """What an interceptor sees of the intercepted call: the module, the
-  method's name, and ``orig_method`` (the bound method itself; calling it
-  skips the remaining interceptors)."""
-
-  module: 'Module'
-  method_name: str
-  orig_method: Callable[..., Any]
-
-
-@contextlib.contextmanager
-def intercept_methods(interceptor):
-  """Routes every wrapped module method call made in this thread through
-  ``interceptor(next_fun, args, kwargs, context)`` for the ``with`` body.
-
-  Interceptors nest: the one registered first runs first. Methods marked
-  ``nowrap``, dunder methods other than ``__call__``, fields and
-  descriptors are not intercepted.
-
-  >>> import jax.numpy as jnp, liftmods as nn
-  >>> class Foo(nn.Module):
-  ...   def __call__(self, x):
-  ...     return x
-  >>> def double(next_fun, args, kwargs, context):
-  ...   return 2 * next_fun(*args, **kwargs)
-  >>> with nn.intercept_methods(double):
-  ...   print(Foo()(jnp.ones(1)))
-  [2.]
-  """
-  stack = _context.interceptors
-  stack.append(interceptor)
-  try:
-    yield
-  finally:
-    stack.pop()
-
-
-def run_interceptors(orig_method, module, *args, **kwargs):
-  """Calls ``orig_method(module, *args, **kwargs)`` through this thread's
-  interceptors, outermost (first registered) first."""
-  bound = functools.partial(orig_method, module)
-  context = InterceptorContext(module, _fn_name(orig_method), bound)
-  fun = bound
-  for interceptor in reversed(_context.interceptors):
-    fun = _intercepted(interceptor, fun, context)
-  return fun(*args, **kwargs)
-
-
-def current_module() -> 'Module | None':
-  """The module whose wrapped method is running in this thread, or None
-  outside every module method."""
-  return _context.module_stack[-1]
-
-
-def active_interceptors() -> tuple:
-  """The interceptors registered in this thread, outermost first. They are
-  part of what a trace computes, so trace caches key on them."""
-  return tuple(_context.interceptors)
-
-
-def _intercepted(interceptor, fun, context):
-
-  @functools.wraps(fun)
-  def call(*args, **kwargs):
-    return interceptor(fun, args, kwargs, context)
-
-  return call
-
-
-def _fn_name(fun) -> str:
-  if isinstance(fun, functools.partial):
-    return _fn_name(fun.func)
-  return getattr(fun, '__name__', 'unnamed')
 
 
 # -- descriptors ---------------------------------------------------------------------
@@ -539,7 +456,7 @@ class Module:
     object.__setattr__(self, '_state', _State())
     parent = self.parent
     if parent is _unspecified_parent:
-      parent = _context.module_stack[-1]
+      parent = _calls.module_stack[-1]
       object.__setattr__(self, 'parent', parent)
     if parent is None:  # a top-level module stays settable until bound
       return
@@ -699,6 +616,11 @@ class Module:
   def _call_wrapped_method(self, fun, fun_name, is_compact, args, kwargs):
     state = self._state
     is_setup = fun_name == 'setup'
+    context = _calls
+    recorded = None
+    if context.recording is not None and not is_setup and (
+        self.scope is not None):
+      recorded = ModuleCall.enter(self, fun_name, args, kwargs)
     if is_setup:
       if self.scope is None:
         raise errors.CallSetupUnboundModuleError(type(self).__name__)
@@ -712,7 +634,6 @@ class Module:
         raise errors.CallCompactUnboundModuleError(type(self).__name__)
       recurrent = state.in_compact
       state.in_compact = True
-    context = _context
     stack = context.module_stack
     stack.append(self)
     try:
@@ -729,6 +650,8 @@ class Module:
       capture = context.capture_stack
       if capture and capture[-1] and capture[-1](self, fun_name):
         self.sow('intermediates', fun_name, y)
+      if recorded is not None:
+        recorded.outputs = call_context.abstract_arrays(y)
       return y
     finally:
       stack.pop()
@@ -1106,11 +1029,11 @@ def _with_capture(capture_intermediates, mutable):
 
 def _call_bound(scope, fn, module, capture, args, kwargs):
   """``fn`` on a clone of ``module`` bound to ``scope``."""
-  _context.capture_stack.append(capture)
+  _calls.capture_stack.append(capture)
   try:
     return fn(module.clone(parent=scope, _deep_clone=True), *args, **kwargs)
   finally:
-    _context.capture_stack.pop()
+    _calls.capture_stack.pop()
 
 
 def _scope_fn(fn, module, capture):

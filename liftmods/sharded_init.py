@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from liftmods import errors
 from liftmods.core import meta
 from liftmods.traceback_util import api_boundary
-from liftmods.summary import _split  # array leaves apart from static ones
+from liftmods.call_context import split_arrays
 from liftmods.spmd import (LogicallyPartitioned, RulesFallback, _UNASSIGNED,
                            _assign, get_logical_axis_rules, logical_axis_rules)
 
@@ -80,7 +80,7 @@ def init_sharded(module, mesh, rules=None, *, unbox: bool = True,
 
   def prepare(rngs, args, kwargs):
     active = get_logical_axis_rules() if rules is None else rules
-    dynamic, rebuild = _split((rngs, args, kwargs))
+    dynamic, rebuild = split_arrays((rngs, args, kwargs))
 
     def call(dynamic):
       rngs, args, kwargs = rebuild(dynamic)
