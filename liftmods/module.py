@@ -265,7 +265,11 @@ def _local_descriptors(cls, exclude):
   return out
 
 
-def _wrap_method(fun):
+def wrap_method(fun):
+  """``fun`` made a module method: called on a Module, it runs through
+  ``Module._call_wrapped_method`` (lazy setup, compact bookkeeping, the
+  module stack, interceptors, call recording, named scopes, intermediates
+  capture). Wrapping twice is a no-op."""
   if getattr(fun, 'method_handler_wrapped', False):
     return fun
   is_compact = getattr(fun, 'compact', False)
@@ -290,7 +294,7 @@ _LEAF_TYPES = frozenset((int, float, bool, str, type(None), type, complex,
                          functools.partial))
 
 
-def _contains(val, pred) -> bool:
+def any_nested(val, pred) -> bool:
   """Whether ``pred`` holds for ``val`` or anything nested in its lists,
   tuples and dicts (plain scalars and functions are skipped fast)."""
   if type(val) in _LEAF_TYPES:
@@ -298,9 +302,9 @@ def _contains(val, pred) -> bool:
   if pred(val):
     return True
   if isinstance(val, (list, tuple)):
-    return any(_contains(v, pred) for v in val)
+    return any(any_nested(v, pred) for v in val)
   if isinstance(val, (dict, FrozenDict)):
-    return any(_contains(v, pred) for v in val.values())
+    return any(any_nested(v, pred) for v in val.values())
   return False
 
 
@@ -309,7 +313,7 @@ def _is_module(x) -> bool:
 
 
 def _has_module(val) -> bool:
-  return _contains(val, _is_module)
+  return any_nested(val, _is_module)
 
 
 def _map_modules(fn, val, suffix=''):
@@ -443,7 +447,7 @@ class Module:
         continue
       if getattr(attr, 'nowrap', False):
         continue
-      setattr(cls, key, _wrap_method(attr))
+      setattr(cls, key, wrap_method(attr))
     for key in _local_descriptors(cls, fields | {'parent', '__dict__'}):
       attr = cls.__dict__[key]
       if not getattr(attr, 'nowrap', False):
@@ -821,7 +825,7 @@ class Module:
       method = attr
     elif method is None:
       method = self.__call__
-    return _unbound_fn(method)
+    return unbound_method(method)
 
   @api_boundary
   def apply(self, variables, *args, rngs=None, method=None, mutable=False,
@@ -978,7 +982,10 @@ def _checked_hash(hash_fn):
 _VALID_METHODS: 'weakref.WeakKeyDictionary' = weakref.WeakKeyDictionary()
 
 
-def _unbound_fn(method):
+def unbound_method(method):
+  """The plain function behind ``method`` (a Module's bound method is
+  unwrapped), checked to be a callable that takes the module as its first
+  argument; raises ``ApplyModuleInvalidMethodError`` otherwise."""
   if inspect.ismethod(method) and isinstance(method.__self__, Module):
     method = method.__func__
   try:

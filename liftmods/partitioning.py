@@ -32,7 +32,7 @@ from liftmods.traverse_util import flatten_dict, unflatten_dict
 from liftmods.core import filters, frozen_dict, lift
 from liftmods.core import scope as core_scope
 from liftmods.module import current_module
-from liftmods.spmd import (RulesFallback, _is_names, logical_to_mesh,
+from liftmods.spmd import (RulesFallback, is_logical_names, logical_to_mesh,
                            logical_to_mesh_axes)
 from liftmods.spmd import get_logical_axis_rules as get_axis_rules
 from liftmods.spmd import logical_axis_rules as axis_rules
@@ -149,7 +149,7 @@ def get_axis_names(axes_metadata):
   def specs(names):
     return jax.tree_util.tree_map(
         lambda n: None if n is None else jax.sharding.PartitionSpec(*n),
-        names, is_leaf=_is_names)
+        names, is_leaf=is_logical_names)
 
   def walk(tree):
     out = {}
@@ -172,7 +172,7 @@ def _map_names(meta_tree, fn):
       return m
     return m.__class__(jax.tree_util.tree_map(
         lambda n: None if n is None else fn(list(n)), m.names,
-        is_leaf=_is_names))
+        is_leaf=is_logical_names))
   return jax.tree_util.tree_map(one, meta_tree,
                                 is_leaf=lambda x: isinstance(x, AxisMetadata))
 

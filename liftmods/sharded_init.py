@@ -38,8 +38,9 @@ from liftmods import errors
 from liftmods.core import meta
 from liftmods.traceback_util import api_boundary
 from liftmods.call_context import split_arrays
-from liftmods.spmd import (LogicallyPartitioned, RulesFallback, _UNASSIGNED,
-                           _assign, get_logical_axis_rules, logical_axis_rules)
+from liftmods.spmd import (UNASSIGNED, LogicallyPartitioned, RulesFallback,
+                           assign_mesh_axes, get_logical_axis_rules,
+                           logical_axis_rules)
 
 
 class LogicalNamesWarning(UserWarning):
@@ -147,13 +148,13 @@ def _leaf_sharding(path, leaf, mesh, rules, fallback):
 
 def _logical_spec(path, box, rules, fallback):
   rules = box.rules if box.rules is not None else rules
-  axes = _assign(box.names, rules)
-  if any(a is _UNASSIGNED for a in axes):
+  axes = assign_mesh_axes(box.names, rules)
+  if any(a is UNASSIGNED for a in axes):
     if fallback == RulesFallback.RAISE_ERROR:
-      unmapped = [n for n, a in zip(box.names, axes) if a is _UNASSIGNED]
+      unmapped = [n for n, a in zip(box.names, axes) if a is UNASSIGNED]
       raise errors.LogicalAxisUnmappedError(_where(path), box.names, rules,
                                             unmapped)
-    axes = [None if a is _UNASSIGNED else a for a in axes]
+    axes = [None if a is UNASSIGNED else a for a in axes]
   return PartitionSpec(*axes)
 
 
