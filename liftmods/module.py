@@ -38,7 +38,7 @@ from liftmods.call_context import (  # pylint: disable=unused-import
     InterceptorContext, active_interceptors, current_module,
     intercept_methods, record_calls)
 from liftmods.core import partial_eval
-from liftmods.core import scope as core
+from liftmods.core import scope as scope_lib
 from liftmods.core.filters import DenyList, union
 from liftmods.core.frozen_dict import FrozenDict, freeze
 from liftmods.core.rngs import as_lazy
@@ -722,7 +722,7 @@ class Module:
     return value
 
   def variable(self, col: str, name: str, init_fn: Callable | None = None,
-               *init_args, unbox=True, **init_kwargs) -> core.Variable:
+               *init_args, unbox=True, **init_kwargs) -> scope_lib.Variable:
     """Declares variable ``name`` of collection ``col``; returns a reference
     whose ``.value`` can be read and (if ``col`` is mutable) written."""
     if not self._initialization_allowed:
@@ -837,7 +837,7 @@ class Module:
       _check_key(self, rngs)
     fn = self._resolve_method(method)
     capture, mutable = _with_capture(capture_intermediates, mutable)
-    return core.run(
+    return scope_lib.run(
         lambda scope: _call_bound(scope, fn, self, capture, args, kwargs),
         variables, (), {}, rngs, mutable)
 
@@ -909,8 +909,9 @@ class Module:
     """A bound copy of this module for interactive use."""
     Module._module_checks(self)
     del args
-    return self.clone(parent=core.bind(variables, rngs=rngs, mutable=mutable),
-                      _deep_clone=True)
+    return self.clone(
+        parent=scope_lib.bind(variables, rngs=rngs, mutable=mutable),
+        _deep_clone=True)
 
   def unbind(self):
     """Returns ``(unbound_copy, variables)`` of a bound module."""
@@ -1062,14 +1063,14 @@ def apply(fn, module: Module, mutable=False, capture_intermediates=False):
   (1, 2)
   """
   capture, mutable = _with_capture(capture_intermediates, mutable)
-  return core.apply(_scope_fn(fn, module, capture), mutable=mutable)
+  return scope_lib.apply(_scope_fn(fn, module, capture), mutable=mutable)
 
 
 def init_with_output(fn, module: Module, mutable=DenyList('intermediates'),
                      capture_intermediates=False):
   """``fn(bound_module, *args)`` as ``f(rngs, *args) -> (out, variables)``."""
   capture, mutable = _with_capture(capture_intermediates, mutable)
-  return core.init(_scope_fn(fn, module, capture), mutable=mutable)
+  return scope_lib.init(_scope_fn(fn, module, capture), mutable=mutable)
 
 
 def init(fn, module: Module, mutable=DenyList('intermediates'),
