@@ -43,6 +43,7 @@ from liftmods.core.filters import DenyList, union
 from liftmods.core.frozen_dict import FrozenDict, freeze
 from liftmods.core.rngs import as_lazy
 from liftmods.core.scope import Scope
+from liftmods.descriptors import local_descriptors, wrap_descriptor
 from liftmods.traceback_util import api_boundary
 
 
@@ -200,69 +201,7 @@ def nowrap(fun):
   return fun
 
 
-# -- descriptors ---------------------------------------------------------------------
-
-
-def _wrap_descriptor(descriptor):
-  """``descriptor`` behind a proxy whose ``__get__`` turns an AttributeError
-  raised inside the getter into ``DescriptorAttributeError`` (otherwise
-  Python would fall back to ``Module.__getattr__`` and report the property
-  itself as missing). Data and non-data descriptors stay what they were."""
-  if isinstance(descriptor, _DescriptorProxy):
-    return descriptor
-  namespace = {}
-  if hasattr(descriptor, '__isabstractmethod__'):
-    namespace['__isabstractmethod__'] = descriptor.__isabstractmethod__
-  for method in ('__set__', '__delete__', '__set_name__'):
-    if hasattr(descriptor, method):
-      namespace[method] = _forward(method)
-  if hasattr(descriptor, '__get__'):
-    namespace['__get__'] = _DescriptorProxy._get
-  proxy_cls = type('DescriptorProxy', (_DescriptorProxy,), namespace)
-  return proxy_cls(descriptor)
-
-
-def _forward(method):
-
-  def forward(self, *args, **kwargs):
-    return getattr(self.wrapped, method)(*args, **kwargs)
-
-  forward.__name__ = method
-  return forward
-
-
-class _DescriptorProxy:
-  """Base of the proxies made by ``_wrap_descriptor``."""
-
-  def __init__(self, wrapped):
-    self.wrapped = wrapped
-
-  def _get(self, instance, owner=None):
-    try:
-      return self.wrapped.__get__(instance, owner)
-    except AttributeError as e:
-      name = getattr(self.wrapped, '__name__', None) or getattr(
-          getattr(self.wrapped, 'fget', None), '__name__', '?')
-      raise errors.DescriptorAttributeError(
-          name, getattr(owner, '__name__', '')) from e
-
-  def __getattr__(self, name):
-    if 'wrapped' not in vars(self):
-      raise AttributeError(name)
-    return getattr(self.wrapped, name)
-
-
-def _local_descriptors(cls, exclude):
-  """Names of the descriptors (properties, ...) defined in ``cls`` itself."""
-  out = []
-  for name, attr in cls.__dict__.items():
-    if name in exclude or callable(attr):
-      continue
-    if isinstance(attr, (staticmethod, classmethod)):
-      continue
-    if any(hasattr(attr, m) for m in ('__get__', '__set__', '__delete__')):
-      out.append(name)
-  return out
+# -- method wrapping ----------------------------------------------------------
 
 
 def wrap_method(fun):
@@ -448,10 +387,10 @@ class Module:
       if getattr(attr, 'nowrap', False):
         continue
       setattr(cls, key, wrap_method(attr))
-    for key in _local_descriptors(cls, fields | {'parent', '__dict__'}):
+    for key in local_descriptors(cls, fields | {'parent', '__dict__'}):
       attr = cls.__dict__[key]
       if not getattr(attr, 'nowrap', False):
-        setattr(cls, key, _wrap_descriptor(attr))
+        setattr(cls, key, wrap_descriptor(attr))
 
   # -- construction ------------------------------------------------------------
 
@@ -900,7 +839,7 @@ class Module:
     >>> {p: type(m).__name__ for p, m in paths.items()}
     {'': 'Foo', 'Dense_0': 'Dense', 'Dense_1': 'Dense'}
     """
-    from liftmods.summary import module_calls
+    from liftmods.summary import module_calls  # summary imports this module
     calls = module_calls(self, rngs, args, {'mutable': mutable, **kwargs},
                          show_repeated)
     return {'/'.join(c.path): c.module.copy(parent=None) for c in calls}
@@ -924,10 +863,10 @@ class Module:
   def tabulate(self, rngs, *args, **kwargs):
     """A table of submodules, shapes and parameter counts; see
     ``liftmods.tabulate``."""
-    from liftmods.summary import tabulate as _tabulate
+    from liftmods import summary  # summary imports this module
     table_kwargs = {k: kwargs.pop(k) for k in list(kwargs)
-                    if k in _tabulate_option_names()}
-    return _tabulate(self, rngs, **table_kwargs)(*args, **kwargs)
+                    if k in summary.TABULATE_OPTIONS}
+    return summary.tabulate(self, rngs, **table_kwargs)(*args, **kwargs)
 
 
 _CONTAINERS = (Module, list, tuple, dict, FrozenDict)
@@ -941,11 +880,6 @@ def _copy_dicts(tree):
   if isinstance(tree, dict):
     return {k: _copy_dicts(v) for k, v in tree.items()}
   return tree
-
-
-def _tabulate_option_names():
-  from liftmods.summary import TABULATE_OPTIONS
-  return TABULATE_OPTIONS
 
 
 def _check_key(module: Module, rngs):
