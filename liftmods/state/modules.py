@@ -23,7 +23,7 @@ module that runs.
 import jax
 
 from liftmods.module import Module, record_calls
-from liftmods.state import errors
+from liftmods.state import errors, filters
 from liftmods.state.filters import needs_modules, resolve
 from liftmods.state.tree import iter_leaves, select
 
@@ -73,6 +73,9 @@ def _traced(bound: Module, args, kwargs, method, rngs) -> dict:
   with record_calls() as calls:
     jax.eval_shape(run, variables)
   return {tuple(c.path): type(c.module) for c in calls}
+
+
+filters.set_model_reader(module_types)
 
 
 def check_known(modules: dict, tree_paths) -> None:
