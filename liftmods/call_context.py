@@ -58,7 +58,7 @@ def current_module():
   return calls.module_stack[-1]
 
 
-# -- interceptors ----------------------------------------------------------------
+# -- interceptors ------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +131,7 @@ def _fn_name(fun) -> str:
   return getattr(fun, '__name__', 'unnamed')
 
 
-# -- recording -------------------------------------------------------------------
+# -- recording ---------------------------------------------------------------
 
 
 @dataclasses.dataclass
