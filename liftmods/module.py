@@ -19,12 +19,10 @@ inline in a ``@compact`` method (auto-named ``ClassName_N``) or assigned in
 >>> jax.tree_util.tree_map(jnp.shape, variables)
 {'params': {'b': (4,), 'w': (3, 4)}}
 """
-import contextlib
 import dataclasses
 import functools
 import inspect
 import itertools
-import threading
 import types
 import weakref
 from collections.abc import Mapping
@@ -33,25 +31,24 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from liftmods import config, errors
+from liftmods import call_context, config, errors
+from liftmods.call_context import ModuleCall, run_interceptors
+# The call hooks under their flax.linen.module names (and record_calls).
+from liftmods.call_context import (  # pylint: disable=unused-import
+    InterceptorContext, active_interceptors, current_module,
+    intercept_methods, record_calls)
 from liftmods.core import partial_eval
-from liftmods.core import scope as core
+from liftmods.core import scope as scope_lib
 from liftmods.core.filters import DenyList, union
 from liftmods.core.frozen_dict import FrozenDict, freeze
 from liftmods.core.rngs import as_lazy
 from liftmods.core.scope import Scope
+from liftmods.descriptors import local_descriptors, wrap_descriptor
 from liftmods.traceback_util import api_boundary
 
 
-class _Context(threading.local):
-
-  def __init__(self):
-    self.module_stack = [None]
-    self.capture_stack = []
-    self.interceptors = []
-
-
-_context = _Context()
+# This thread's running modules, capture filters, interceptors and recording.
+_calls = call_context.calls
 
 
 class _Unspecified:
@@ -204,151 +201,14 @@ def nowrap(fun):
   return fun
 
 
-# -- method interceptors ---------------------------------------------------------
+# -- method wrapping ----------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class InterceptorContext:
-  """What an interceptor sees of the intercepted call: the module, the
-  method's name, and ``orig_method`` (the bound method itself; calling it
-  skips the remaining interceptors)."""
-
-  module: 'Module'
-  method_name: str
-  orig_method: Callable[..., Any]
-
-
-@contextlib.contextmanager
-def intercept_methods(interceptor):
-  """Routes every wrapped module method call made in this thread through
-  ``interceptor(next_fun, args, kwargs, context)`` for the ``with`` body.
-
-  Interceptors nest: the one registered first runs first. Methods marked
-  ``nowrap``, dunder methods other than ``__call__``, fields and
-  descriptors are not intercepted.
-
-  >>> import jax.numpy as jnp, liftmods as nn
-  >>> class Foo(nn.Module):
-  ...   def __call__(self, x):
-  ...     return x
-  >>> def double(next_fun, args, kwargs, context):
-  ...   return 2 * next_fun(*args, **kwargs)
-  >>> with nn.intercept_methods(double):
-  ...   print(Foo()(jnp.ones(1)))
-  [2.]
-  """
-  stack = _context.interceptors
-  stack.append(interceptor)
-  try:
-    yield
-  finally:
-    stack.pop()
-
-
-def run_interceptors(orig_method, module, *args, **kwargs):
-  """Calls ``orig_method(module, *args, **kwargs)`` through this thread's
-  interceptors, outermost (first registered) first."""
-  bound = functools.partial(orig_method, module)
-  context = InterceptorContext(module, _fn_name(orig_method), bound)
-  fun = bound
-  for interceptor in reversed(_context.interceptors):
-    fun = _intercepted(interceptor, fun, context)
-  return fun(*args, **kwargs)
-
-
-def current_module() -> 'Module | None':
-  """The module whose wrapped method is running in this thread, or None
-  outside every module method."""
-  return _context.module_stack[-1]
-
-
-def active_interceptors() -> tuple:
-  """The interceptors registered in this thread, outermost first. They are
-  part of what a trace computes, so trace caches key on them."""
-  return tuple(_context.interceptors)
-
-
-def _intercepted(interceptor, fun, context):
-
-  @functools.wraps(fun)
-  def call(*args, **kwargs):
-    return interceptor(fun, args, kwargs, context)
-
-  return call
-
-
-def _fn_name(fun) -> str:
-  if isinstance(fun, functools.partial):
-    return _fn_name(fun.func)
-  return getattr(fun, '__name__', 'unnamed')
-
-
-# -- descriptors ---------------------------------------------------------------------
-
-
-def _wrap_descriptor(descriptor):
-  """``descriptor`` behind a proxy whose ``__get__`` turns an AttributeError
-  raised inside the getter into ``DescriptorAttributeError`` (otherwise
-  Python would fall back to ``Module.__getattr__`` and report the property
-  itself as missing). Data and non-data descriptors stay what they were."""
-  if isinstance(descriptor, _DescriptorProxy):
-    return descriptor
-  namespace = {}
-  if hasattr(descriptor, '__isabstractmethod__'):
-    namespace['__isabstractmethod__'] = descriptor.__isabstractmethod__
-  for method in ('__set__', '__delete__', '__set_name__'):
-    if hasattr(descriptor, method):
-      namespace[method] = _forward(method)
-  if hasattr(descriptor, '__get__'):
-    namespace['__get__'] = _DescriptorProxy._get
-  proxy_cls = type('DescriptorProxy', (_DescriptorProxy,), namespace)
-  return proxy_cls(descriptor)
-
-
-def _forward(method):
-
-  def forward(self, *args, **kwargs):
-    return getattr(self.wrapped, method)(*args, **kwargs)
-
-  forward.__name__ = method
-  return forward
-
-
-class _DescriptorProxy:
-  """Base of the proxies made by ``_wrap_descriptor``."""
-
-  def __init__(self, wrapped):
-    self.wrapped = wrapped
-
-  def _get(self, instance, owner=None):
-    try:
-      return self.wrapped.__get__(instance, owner)
-    except AttributeError as e:
-      name = getattr(self.wrapped, '__name__', None) or getattr(
-          getattr(self.wrapped, 'fget', None), '__name__', '?')
-      raise errors.DescriptorAttributeError(
-          name, getattr(owner, '__name__', '')) from e
-
-  def __getattr__(self, name):
-    if 'wrapped' not in vars(self):
-      raise AttributeError(name)
-    return getattr(self.wrapped, name)
-
-
-def _local_descriptors(cls, exclude):
-  """Names of the descriptors (properties, ...) defined in ``cls`` itself."""
-  out = []
-  for name, attr in cls.__dict__.items():
-    if name in exclude or callable(attr):
-      continue
-    if isinstance(attr, (staticmethod, classmethod)):
-      continue
-    if any(hasattr(attr, m) for m in ('__get__', '__set__', '__delete__')):
-      out.append(name)
-  return out
-
-
-def _wrap_method(fun):
+def wrap_method(fun):
+  """``fun`` made a module method: called on a Module, it runs through
+  ``Module._call_wrapped_method`` (lazy setup, compact bookkeeping, the
+  module stack, interceptors, call recording, named scopes, intermediates
+  capture). Wrapping twice is a no-op."""
   if getattr(fun, 'method_handler_wrapped', False):
     return fun
   is_compact = getattr(fun, 'compact', False)
@@ -373,7 +233,7 @@ _LEAF_TYPES = frozenset((int, float, bool, str, type(None), type, complex,
                          functools.partial))
 
 
-def _contains(val, pred) -> bool:
+def any_nested(val, pred) -> bool:
   """Whether ``pred`` holds for ``val`` or anything nested in its lists,
   tuples and dicts (plain scalars and functions are skipped fast)."""
   if type(val) in _LEAF_TYPES:
@@ -381,9 +241,9 @@ def _contains(val, pred) -> bool:
   if pred(val):
     return True
   if isinstance(val, (list, tuple)):
-    return any(_contains(v, pred) for v in val)
+    return any(any_nested(v, pred) for v in val)
   if isinstance(val, (dict, FrozenDict)):
-    return any(_contains(v, pred) for v in val.values())
+    return any(any_nested(v, pred) for v in val.values())
   return False
 
 
@@ -392,7 +252,7 @@ def _is_module(x) -> bool:
 
 
 def _has_module(val) -> bool:
-  return _contains(val, _is_module)
+  return any_nested(val, _is_module)
 
 
 def _map_modules(fn, val, suffix=''):
@@ -526,11 +386,11 @@ class Module:
         continue
       if getattr(attr, 'nowrap', False):
         continue
-      setattr(cls, key, _wrap_method(attr))
-    for key in _local_descriptors(cls, fields | {'parent', '__dict__'}):
+      setattr(cls, key, wrap_method(attr))
+    for key in local_descriptors(cls, fields | {'parent', '__dict__'}):
       attr = cls.__dict__[key]
       if not getattr(attr, 'nowrap', False):
-        setattr(cls, key, _wrap_descriptor(attr))
+        setattr(cls, key, wrap_descriptor(attr))
 
   # -- construction ------------------------------------------------------------
 
@@ -539,7 +399,7 @@ class Module:
     object.__setattr__(self, '_state', _State())
     parent = self.parent
     if parent is _unspecified_parent:
-      parent = _context.module_stack[-1]
+      parent = _calls.module_stack[-1]
       object.__setattr__(self, 'parent', parent)
     if parent is None:  # a top-level module stays settable until bound
       return
@@ -699,6 +559,11 @@ class Module:
   def _call_wrapped_method(self, fun, fun_name, is_compact, args, kwargs):
     state = self._state
     is_setup = fun_name == 'setup'
+    context = _calls
+    recorded = None
+    if context.recording is not None and not is_setup and (
+        self.scope is not None):
+      recorded = ModuleCall.enter(self, fun_name, args, kwargs)
     if is_setup:
       if self.scope is None:
         raise errors.CallSetupUnboundModuleError(type(self).__name__)
@@ -712,7 +577,6 @@ class Module:
         raise errors.CallCompactUnboundModuleError(type(self).__name__)
       recurrent = state.in_compact
       state.in_compact = True
-    context = _context
     stack = context.module_stack
     stack.append(self)
     try:
@@ -729,6 +593,8 @@ class Module:
       capture = context.capture_stack
       if capture and capture[-1] and capture[-1](self, fun_name):
         self.sow('intermediates', fun_name, y)
+      if recorded is not None:
+        recorded.outputs = call_context.abstract_arrays(y)
       return y
     finally:
       stack.pop()
@@ -795,7 +661,7 @@ class Module:
     return value
 
   def variable(self, col: str, name: str, init_fn: Callable | None = None,
-               *init_args, unbox=True, **init_kwargs) -> core.Variable:
+               *init_args, unbox=True, **init_kwargs) -> scope_lib.Variable:
     """Declares variable ``name`` of collection ``col``; returns a reference
     whose ``.value`` can be read and (if ``col`` is mutable) written."""
     if not self._initialization_allowed:
@@ -898,7 +764,7 @@ class Module:
       method = attr
     elif method is None:
       method = self.__call__
-    return _unbound_fn(method)
+    return unbound_method(method)
 
   @api_boundary
   def apply(self, variables, *args, rngs=None, method=None, mutable=False,
@@ -910,7 +776,7 @@ class Module:
       _check_key(self, rngs)
     fn = self._resolve_method(method)
     capture, mutable = _with_capture(capture_intermediates, mutable)
-    return core.run(
+    return scope_lib.run(
         lambda scope: _call_bound(scope, fn, self, capture, args, kwargs),
         variables, (), {}, rngs, mutable)
 
@@ -973,7 +839,7 @@ class Module:
     >>> {p: type(m).__name__ for p, m in paths.items()}
     {'': 'Foo', 'Dense_0': 'Dense', 'Dense_1': 'Dense'}
     """
-    from liftmods.summary import module_calls
+    from liftmods.summary import module_calls  # summary imports this module
     calls = module_calls(self, rngs, args, {'mutable': mutable, **kwargs},
                          show_repeated)
     return {'/'.join(c.path): c.module.copy(parent=None) for c in calls}
@@ -982,8 +848,9 @@ class Module:
     """A bound copy of this module for interactive use."""
     Module._module_checks(self)
     del args
-    return self.clone(parent=core.bind(variables, rngs=rngs, mutable=mutable),
-                      _deep_clone=True)
+    return self.clone(
+        parent=scope_lib.bind(variables, rngs=rngs, mutable=mutable),
+        _deep_clone=True)
 
   def unbind(self):
     """Returns ``(unbound_copy, variables)`` of a bound module."""
@@ -996,10 +863,10 @@ class Module:
   def tabulate(self, rngs, *args, **kwargs):
     """A table of submodules, shapes and parameter counts; see
     ``liftmods.tabulate``."""
-    from liftmods.summary import tabulate as _tabulate
+    from liftmods import summary  # summary imports this module
     table_kwargs = {k: kwargs.pop(k) for k in list(kwargs)
-                    if k in _tabulate_option_names()}
-    return _tabulate(self, rngs, **table_kwargs)(*args, **kwargs)
+                    if k in summary.TABULATE_OPTIONS}
+    return summary.tabulate(self, rngs, **table_kwargs)(*args, **kwargs)
 
 
 _CONTAINERS = (Module, list, tuple, dict, FrozenDict)
@@ -1013,11 +880,6 @@ def _copy_dicts(tree):
   if isinstance(tree, dict):
     return {k: _copy_dicts(v) for k, v in tree.items()}
   return tree
-
-
-def _tabulate_option_names():
-  from liftmods.summary import TABULATE_OPTIONS
-  return TABULATE_OPTIONS
 
 
 def _check_key(module: Module, rngs):
@@ -1055,7 +917,10 @@ def _checked_hash(hash_fn):
 _VALID_METHODS: 'weakref.WeakKeyDictionary' = weakref.WeakKeyDictionary()
 
 
-def _unbound_fn(method):
+def unbound_method(method):
+  """The plain function behind ``method`` (a Module's bound method is
+  unwrapped), checked to be a callable that takes the module as its first
+  argument; raises ``ApplyModuleInvalidMethodError`` otherwise."""
   if inspect.ismethod(method) and isinstance(method.__self__, Module):
     method = method.__func__
   try:
@@ -1106,11 +971,11 @@ def _with_capture(capture_intermediates, mutable):
 
 def _call_bound(scope, fn, module, capture, args, kwargs):
   """``fn`` on a clone of ``module`` bound to ``scope``."""
-  _context.capture_stack.append(capture)
+  _calls.capture_stack.append(capture)
   try:
     return fn(module.clone(parent=scope, _deep_clone=True), *args, **kwargs)
   finally:
-    _context.capture_stack.pop()
+    _calls.capture_stack.pop()
 
 
 def _scope_fn(fn, module, capture):
@@ -1132,14 +997,14 @@ def apply(fn, module: Module, mutable=False, capture_intermediates=False):
   (1, 2)
   """
   capture, mutable = _with_capture(capture_intermediates, mutable)
-  return core.apply(_scope_fn(fn, module, capture), mutable=mutable)
+  return scope_lib.apply(_scope_fn(fn, module, capture), mutable=mutable)
 
 
 def init_with_output(fn, module: Module, mutable=DenyList('intermediates'),
                      capture_intermediates=False):
   """``fn(bound_module, *args)`` as ``f(rngs, *args) -> (out, variables)``."""
   capture, mutable = _with_capture(capture_intermediates, mutable)
-  return core.init(_scope_fn(fn, module, capture), mutable=mutable)
+  return scope_lib.init(_scope_fn(fn, module, capture), mutable=mutable)
 
 
 def init(fn, module: Module, mutable=DenyList('intermediates'),

@@ -31,8 +31,8 @@ from liftmods.core.lift import In as ScanIn, Out as ScanOut
 from liftmods.traverse_util import flatten_dict, unflatten_dict
 from liftmods.core import filters, frozen_dict, lift
 from liftmods.core import scope as core_scope
-from liftmods.module import _context
-from liftmods.spmd import (RulesFallback, _is_names, logical_to_mesh,
+from liftmods.module import current_module
+from liftmods.spmd import (RulesFallback, is_logical_names, logical_to_mesh,
                            logical_to_mesh_axes)
 from liftmods.spmd import get_logical_axis_rules as get_axis_rules
 from liftmods.spmd import logical_axis_rules as axis_rules
@@ -74,7 +74,7 @@ def _merge_axes(old, new):
 
 
 def _current(module):
-  module = _context.module_stack[-1] if module is None else module
+  module = current_module() if module is None else module
   if module is None:
     raise ValueError('param_with_axes / variable_with_axes must be called '
                      'inside a module method (or given module=).')
@@ -149,7 +149,7 @@ def get_axis_names(axes_metadata):
   def specs(names):
     return jax.tree_util.tree_map(
         lambda n: None if n is None else jax.sharding.PartitionSpec(*n),
-        names, is_leaf=_is_names)
+        names, is_leaf=is_logical_names)
 
   def walk(tree):
     out = {}
@@ -172,13 +172,13 @@ def _map_names(meta_tree, fn):
       return m
     return m.__class__(jax.tree_util.tree_map(
         lambda n: None if n is None else fn(list(n)), m.names,
-        is_leaf=_is_names))
+        is_leaf=is_logical_names))
   return jax.tree_util.tree_map(one, meta_tree,
                                 is_leaf=lambda x: isinstance(x, AxisMetadata))
 
 
 def _is_mutable(col: str) -> bool:
-  module = _context.module_stack[-1]
+  module = current_module()
   return True if module is None else module.is_mutable_collection(col)
 
 

@@ -37,9 +37,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from liftmods import errors
 from liftmods.core import meta
 from liftmods.traceback_util import api_boundary
-from liftmods.summary import _split  # array leaves apart from static ones
-from liftmods.spmd import (LogicallyPartitioned, RulesFallback, _UNASSIGNED,
-                           _assign, get_logical_axis_rules, logical_axis_rules)
+from liftmods.call_context import split_arrays
+from liftmods.spmd import (UNASSIGNED, LogicallyPartitioned, RulesFallback,
+                           assign_mesh_axes, get_logical_axis_rules,
+                           logical_axis_rules)
 
 
 class LogicalNamesWarning(UserWarning):
@@ -80,7 +81,7 @@ def init_sharded(module, mesh, rules=None, *, unbox: bool = True,
 
   def prepare(rngs, args, kwargs):
     active = get_logical_axis_rules() if rules is None else rules
-    dynamic, rebuild = _split((rngs, args, kwargs))
+    dynamic, rebuild = split_arrays((rngs, args, kwargs))
 
     def call(dynamic):
       rngs, args, kwargs = rebuild(dynamic)
@@ -147,13 +148,13 @@ def _leaf_sharding(path, leaf, mesh, rules, fallback):
 
 def _logical_spec(path, box, rules, fallback):
   rules = box.rules if box.rules is not None else rules
-  axes = _assign(box.names, rules)
-  if any(a is _UNASSIGNED for a in axes):
+  axes = assign_mesh_axes(box.names, rules)
+  if any(a is UNASSIGNED for a in axes):
     if fallback == RulesFallback.RAISE_ERROR:
-      unmapped = [n for n, a in zip(box.names, axes) if a is _UNASSIGNED]
+      unmapped = [n for n, a in zip(box.names, axes) if a is UNASSIGNED]
       raise errors.LogicalAxisUnmappedError(_where(path), box.names, rules,
                                             unmapped)
-    axes = [None if a is _UNASSIGNED else a for a in axes]
+    axes = [None if a is UNASSIGNED else a for a in axes]
   return PartitionSpec(*axes)
 
 

@@ -56,20 +56,23 @@ class _Unassigned:
     return False
 
 
-_UNASSIGNED = _Unassigned()
+# The entry ``assign_mesh_axes`` gives a logical name that no rule placed.
+UNASSIGNED = _Unassigned()
 
 
 def _mesh_axes_of(entry) -> set:
-  if entry is None or entry is _UNASSIGNED:
+  if entry is None or entry is UNASSIGNED:
     return set()
   if isinstance(entry, (tuple, list)):
     return {a for a in entry if a is not None}
   return {entry}
 
 
-def _assign(names, rules=None) -> list | None:
-  """Per dimension: the mesh axes of the winning rule, ``_UNASSIGNED`` for a
-  logical name no rule placed, and non-string entries unchanged."""
+def assign_mesh_axes(names, rules=None) -> list | None:
+  """Per dimension: the mesh axes of the winning rule, ``UNASSIGNED`` for a
+  logical name no rule placed, and non-string entries unchanged (None for
+  ``names=None``). ``rules`` default to the context's. Callers choose what
+  an unplaced name means (replicated, an error, or no constraint)."""
   if names is None:
     return None
   if rules is None:
@@ -82,12 +85,12 @@ def _assign(names, rules=None) -> list | None:
         f'Unsupported: Dimensions {dups} occur more than once in array names.')
   if not isinstance(rules, (tuple, list)):
     raise ValueError('Unknown axis rule specification type.')
-  out = [_UNASSIGNED if isinstance(n, str) else n for n in names]
+  out = [UNASSIGNED if isinstance(n, str) else n for n in names]
   for logical, mesh_axes in rules:
     if logical not in names:
       continue
     pos = names.index(logical)
-    if out[pos] is not _UNASSIGNED:
+    if out[pos] is not UNASSIGNED:
       continue
     used = set().union(*map(_mesh_axes_of, out))
     new = _mesh_axes_of(mesh_axes) - {PartitionSpec.UNCONSTRAINED}
@@ -99,10 +102,10 @@ def _assign(names, rules=None) -> list | None:
 def logical_to_mesh_axes(array_dim_names, rules=None):
   """The mesh PartitionSpec of an array whose dimensions have the logical
   ``array_dim_names`` (None gives None). ``rules`` default to the context's."""
-  out = _assign(array_dim_names, rules)
+  out = assign_mesh_axes(array_dim_names, rules)
   if out is None:
     return None
-  return PartitionSpec(*(None if a is _UNASSIGNED else a for a in out))
+  return PartitionSpec(*(None if a is UNASSIGNED else a for a in out))
 
 
 def _is_spec(x) -> bool:
@@ -142,15 +145,15 @@ def _constrain(x, spec, mesh):
 
 
 def _constrain_one(names, x, fallback, rules, mesh):
-  axes = _assign(names, rules)
+  axes = assign_mesh_axes(names, rules)
   if axes is None:
     return _constrain(x, None, mesh)
-  if any(a is _UNASSIGNED for a in axes):
+  if any(a is UNASSIGNED for a in axes):
     if fallback == RulesFallback.RAISE_ERROR:
       raise ValueError(f'Axis names {names} did not match a rule')
     if fallback == RulesFallback.NO_CONSTRAINT:
       return x
-    axes = [None if a is _UNASSIGNED else a for a in axes]
+    axes = [None if a is UNASSIGNED else a for a in axes]
   return _constrain(x, PartitionSpec(*axes), mesh)
 
 
@@ -158,7 +161,10 @@ def _is_name(x) -> bool:
   return x is None or isinstance(x, str) or x is PartitionSpec.UNCONSTRAINED
 
 
-def _is_names(x) -> bool:
+def is_logical_names(x) -> bool:
+  """Whether ``x`` is one array's logical names (a tuple of names, None or
+  ``PartitionSpec.UNCONSTRAINED``) or None: the leaves of a tree of
+  logical axis annotations."""
   return x is None or (isinstance(x, tuple) and all(map(_is_name, x)))
 
 
@@ -174,7 +180,7 @@ def with_logical_constraint(x, logical_axis_resources, rules=None, mesh=None,
   one = functools.partial(_constrain_one, fallback=fallback, rules=rules,
                           mesh=mesh)
   return jax.tree_util.tree_map(one, logical_axis_resources, x,
-                                is_leaf=_is_names)
+                                is_leaf=is_logical_names)
 
 
 # -- logically partitioned variables -------------------------------------------

@@ -40,7 +40,6 @@ and the table ends with per-collection totals.
 <BLANKLINE>
                      Total Parameters: 20 (80 B)
 """
-import contextlib
 import dataclasses
 import math
 import threading
@@ -49,9 +48,9 @@ from types import MappingProxyType
 from typing import Any, Callable
 
 import jax
-import numpy as np
 
 from liftmods import spmd
+from liftmods.call_context import ModuleCall, record_calls, split_arrays
 from liftmods.core import meta
 from liftmods.core.filters import DenyList
 from liftmods.core.frozen_dict import unfreeze  # nn.summary.unfreeze, as Linen's
@@ -112,89 +111,14 @@ def tabulate(module: Module, rngs, depth: int | None = None,
 # -- recording calls -----------------------------------------------------------
 
 
-@dataclasses.dataclass
-class _Call:
-  path: tuple
-  module: Module
-  method: str
-  args: tuple
-  kwargs: dict
-  outputs: Any = None
-
-
-_local = threading.local()  # .calls: the list this thread records into
-_patch_lock = threading.Lock()
-_patch_users = 0
-_original_call = None
-
-
-def _recording_call(self, fun, fun_name, is_compact, args, kwargs):
-  calls = getattr(_local, 'calls', None)
-  if calls is None or fun_name == 'setup' or self.scope is None:
-    return _original_call(self, fun, fun_name, is_compact, args, kwargs)
-  call = _Call(self.scope.path, self, fun_name, _shapes(args), _shapes(kwargs))
-  calls.append(call)  # appended on entry: parents come before children
-  out = _original_call(self, fun, fun_name, is_compact, args, kwargs)
-  call.outputs = _shapes(out)
-  return out
-
-
-@contextlib.contextmanager
-def _recording():
-  """Records this thread's module method calls into the yielded list, by
-  wrapping ``Module._call_wrapped_method`` while any thread records."""
-  global _patch_users, _original_call
-  with _patch_lock:
-    if _patch_users == 0:
-      _original_call = Module.__dict__['_call_wrapped_method']
-      Module._call_wrapped_method = _recording_call
-    _patch_users += 1
-  outer = getattr(_local, 'calls', None)
-  _local.calls = calls = []
-  try:
-    yield calls
-  finally:
-    _local.calls = outer
-    with _patch_lock:
-      _patch_users -= 1
-      if _patch_users == 0:
-        Module._call_wrapped_method = _original_call
-
-
-def _shapes(tree):
-  """``tree`` with arrays replaced by ShapeDtypeStructs (tracer-free)."""
-  return jax.tree_util.tree_map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if _is_array(x) else x,
-      tree, is_leaf=lambda x: x is None)
-
-
-def _is_array(x) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
-
-
-def _split(tree):
-  """``(array_leaves, rebuild)``: ``rebuild(new_leaves)`` is ``tree`` with its
-  array leaves replaced; other leaves stay static Python values."""
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  where = [i for i, x in enumerate(leaves) if _is_array(x)]
-
-  def rebuild(arrays):
-    new = list(leaves)
-    for i, x in zip(where, arrays):
-      new[i] = x
-    return treedef.unflatten(new)
-
-  return [leaves[i] for i in where], rebuild
-
-
 def _record_init(module, rngs, args, kwargs):
-  arrays, rebuild = _split((rngs, args, kwargs))
+  arrays, rebuild = split_arrays((rngs, args, kwargs))
 
   def init(arrays):
     rngs, args, kwargs = rebuild(arrays)
     return module.init(rngs, *args, **kwargs)
 
-  with _recording() as calls:
+  with record_calls() as calls:
     variables = jax.eval_shape(init, arrays)
   return calls, variables
 
@@ -215,10 +139,10 @@ def module_calls(module, rngs, args, kwargs, show_repeated=False) -> list:
   return first
 
 
-def _call_flops(call: _Call, rngs, vjp: bool) -> int:
+def _call_flops(call: ModuleCall, rngs, vjp: bool) -> int:
   """XLA's FLOP estimate for re-running ``call`` on its own module copy."""
   module = call.module.clone(parent=None, name=None, _deep_clone=True)
-  arrays, rebuild = _split((call.args, call.kwargs))
+  arrays, rebuild = split_arrays((call.args, call.kwargs))
   apply_rngs = rngs if isinstance(rngs, Mapping) else {'params': rngs}
 
   def init(arrays):
@@ -247,7 +171,7 @@ def _call_flops(call: _Call, rngs, vjp: bool) -> int:
 
 @dataclasses.dataclass
 class _Row:
-  call: _Call
+  call: ModuleCall
   own: dict      # {collection: this module's own variables}
   counted: dict  # {collection: the variables this row's counts cover}
   extra: list = dataclasses.field(default_factory=list)
@@ -291,6 +215,9 @@ def _size_and_bytes(tree) -> tuple[int, int]:
 
 
 # -- partitioned variables: per-device sizes ------------------------------------
+
+
+_local = threading.local()  # .layout: this thread's table's _Layout, or None
 
 
 @dataclasses.dataclass

@@ -30,8 +30,8 @@ from liftmods.core import lift
 from liftmods.core import meta
 from liftmods.core.frozen_dict import FrozenDict
 from liftmods.core.scope import Scope, Variable
-from liftmods.module import (Module, _contains, _unbound_fn, _wrap_method,
-                             active_interceptors)
+from liftmods.module import (Module, active_interceptors, any_nested,
+                             unbound_method, wrap_method)
 from liftmods.traceback_util import api_boundary
 
 
@@ -190,7 +190,7 @@ def set_module_scopes(module: Module, args, kwargs, scopes, cls=None):
 
 
 def _has_bound(v) -> bool:
-  return _contains(v, _bound)
+  return any_nested(v, _bound)
 
 
 def _check_return(tree, method_name):
@@ -288,7 +288,7 @@ def lift_decorator(transform, class_fns, *trafo_args, multi_scope=True,
                    **trafo_kwargs):
   """Lifts method(s) ``class_fns`` (functions taking the module first)."""
   fns = class_fns if isinstance(class_fns, tuple) else (class_fns,)
-  wrapped = [_wrap_method(f) for f in fns]
+  wrapped = [wrap_method(f) for f in fns]
   names = [getattr(f, '__name__', 'fn') for f in fns]
 
   def lifted(self, *args, **kwargs):
@@ -315,7 +315,7 @@ def lift_direct(transform, targets, module, *args, multi_scope=True,
   for t in targets:
     if _is_module_class(t):
       raise errors.TransformTargetError(t)
-  targets = tuple(_unbound_fn(t) for t in targets)
+  targets = tuple(unbound_method(t) for t in targets)
   return lift_decorator(lambda *fns: functools.partial(transform, *fns),
                         targets, multi_scope=multi_scope)(module, *args,
                                                           **kwargs)
@@ -730,7 +730,7 @@ def _jit_like(target, methods, kwargs, prefix, transform):
       return functools.partial(new_cls, *partial.args, **partial.keywords)
     return new_cls
   if callable(target) and not isinstance(target, Module):
-    fn = _wrap_method(target)
+    fn = wrap_method(target)
     fn_name = getattr(target, '__name__', 'fn')
     return functools.wraps(fn)(_jit_lift(fn, fn_name, None, kwargs,
                                          transform))

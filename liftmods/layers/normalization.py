@@ -41,7 +41,7 @@ def _where(mdl: Module) -> str:
 # -- statistics ----------------------------------------------------------------
 
 
-def _canonicalize_axes(rank: int, axes: Axes) -> tuple[int, ...]:
+def canonicalize_axes(rank: int, axes: Axes) -> tuple[int, ...]:
   """Non-negative, de-duplicated axes.
 
   The tuple is built from a set, which is the order Linen uses; it decides
@@ -93,7 +93,7 @@ def _compute_stats(x: Array, axes: Axes, dtype: Dtype | None,
   """
   dtype = _stats_dtype(x, dtype, force_float32_reductions)
   x = x.astype(dtype) if isinstance(x, jax.Array) else jnp.asarray(x, dtype)
-  axes = _canonicalize_axes(x.ndim, axes)
+  axes = canonicalize_axes(x.ndim, axes)
   means = lambda *xs: _means(xs, axes, mask, axis_name, axis_index_groups)
   if not use_mean:
     (var,) = means(_abs_sq(x))
@@ -133,8 +133,8 @@ def _normalize(mdl: Module, x: Array, mean: Array, var: Array,
   """``(x - mean) / sqrt(var + epsilon) * scale + bias`` in ``dtype``
   (default: inferred from ``x`` and the parameters); ``scale`` and ``bias``
   are parameters of ``mdl`` shaped like ``feature_axes``."""
-  reduction_axes = _canonicalize_axes(x.ndim, reduction_axes)
-  feature_axes = _canonicalize_axes(x.ndim, feature_axes)
+  reduction_axes = canonicalize_axes(x.ndim, reduction_axes)
+  feature_axes = canonicalize_axes(x.ndim, feature_axes)
   broadcast, shape = _feature_shapes(x, feature_axes)
   y = x - jnp.expand_dims(mean, reduction_axes)
   mul = lax.rsqrt(jnp.expand_dims(var, reduction_axes) + epsilon)
@@ -200,7 +200,7 @@ class BatchNorm(Module):
     """Normalizes ``x``; ``mask`` (broadcastable to ``x``) selects the
     entries that count towards the batch statistics."""
     use_running_average = self._use_running_average(use_running_average)
-    feature_axes = _canonicalize_axes(x.ndim, self.axis)
+    feature_axes = canonicalize_axes(x.ndim, self.axis)
     reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
     ra_mean, ra_var = self._running_averages(
         [x.shape[ax] for ax in feature_axes])
@@ -392,7 +392,7 @@ class GroupNorm(Module):
     axes = self.reduction_axes
     if axes is None:
       axes = list(range(1, ndim - 1)) + [-1]
-    axes = _canonicalize_axes(ndim, axes)
+    axes = canonicalize_axes(ndim, axes)
     if axes[-1] != ndim - 1:
       raise ValueError(
           'The reduction axes must include the final dimension as this is '
@@ -454,7 +454,7 @@ class InstanceNorm(Module):
   @compact
   def __call__(self, x, *, mask: jax.Array | None = None):
     """Normalizes ``x``; ``mask`` selects the entries that count."""
-    feature_axes = _canonicalize_axes(x.ndim, self.feature_axes)
+    feature_axes = canonicalize_axes(x.ndim, self.feature_axes)
     if 0 in feature_axes:
       raise ValueError(
           'The channel axes cannot include the leading dimension as this is '

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from liftmods import dtypes, initializers, transforms
-from liftmods.layers.normalization import _canonicalize_axes
+from liftmods.layers.normalization import canonicalize_axes
 from liftmods.module import Module, compact
 
 __all__ = ['WeightNorm', 'SpectralNorm']
@@ -201,7 +201,7 @@ class WeightNorm(Module):
     if self.feature_axes is None:
       feature_axes = ()
     else:
-      feature_axes = _canonicalize_axes(value.ndim, self.feature_axes)
+      feature_axes = canonicalize_axes(value.ndim, self.feature_axes)
     reduction_axes = tuple(i for i in range(value.ndim)
                            if i not in feature_axes)
     feature_shape = [1] * value.ndim

@@ -43,6 +43,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any as AnyType
 
+from liftmods.module import Module
 from liftmods.state import errors
 
 Predicate = Callable[[tuple, AnyType], bool]
@@ -291,11 +292,24 @@ class InModule(Filter):
     return f'InModule({names}{"" if self.modules is None else ", <resolved>"})'
 
 
+# Reads a bound model's ``{module_path: type}``: ``state.modules`` (the part
+# of this package that knows Modules) installs it when it loads, which
+# importing ``liftmods.state`` always does, so these pure predicates need not
+# import it back.
+_model_reader: Callable[[AnyType], Mapping] | None = None
+
+
+def set_model_reader(reader: Callable[[AnyType], Mapping]) -> None:
+  """Sets how :class:`InModule` and :func:`resolve` read the
+  ``{module_path: type}`` mapping of a bound model given as ``modules``."""
+  global _model_reader
+  _model_reader = reader
+
+
 def _module_map(modules) -> Mapping:
   if isinstance(modules, Mapping):
     return dict(modules)
-  from liftmods.state.modules import module_types  # needs Module
-  return module_types(modules)
+  return _model_reader(modules)
 
 
 def _resolve(pred, modules):
@@ -320,11 +334,6 @@ def needs_modules(filter_like) -> bool:
   return False
 
 
-def _is_module_class(t: type) -> bool:
-  from liftmods.module import Module  # deferred: filters load before modules
-  return issubclass(t, Module)
-
-
 def to_predicate(filter_like) -> Predicate:
   """The predicate for anything usable as a filter (see the module doc)."""
   if isinstance(filter_like, Filter):
@@ -334,7 +343,7 @@ def to_predicate(filter_like) -> Predicate:
   if isinstance(filter_like, re.Pattern):
     return PathRegex(filter_like)
   if isinstance(filter_like, type):
-    if _is_module_class(filter_like):
+    if issubclass(filter_like, Module):
       return InModule(filter_like)
     return OfType(filter_like)
   if filter_like is True or filter_like is Ellipsis:

@@ -22,12 +22,10 @@ module that runs.
 """
 import jax
 
-from liftmods.module import Module
-from liftmods.state import errors
+from liftmods.module import Module, record_calls
+from liftmods.state import errors, filters
 from liftmods.state.filters import needs_modules, resolve
 from liftmods.state.tree import iter_leaves, select
-# summary's recorder of module method calls (path, module), reused here.
-from liftmods.summary import _recording
 
 
 def module_types(module: Module, *args, method=None, rngs=None,
@@ -72,9 +70,12 @@ def _traced(bound: Module, args, kwargs, method, rngs) -> dict:
     return module.apply(variables, *args, method=method, rngs=rngs,
                         mutable=True, **kwargs)
 
-  with _recording() as calls:
+  with record_calls() as calls:
     jax.eval_shape(run, variables)
   return {tuple(c.path): type(c.module) for c in calls}
+
+
+filters.set_model_reader(module_types)
 
 
 def check_known(modules: dict, tree_paths) -> None:

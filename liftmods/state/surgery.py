@@ -33,7 +33,7 @@ import numpy as np
 from liftmods.core.meta import AxisMetadata
 from liftmods.state import errors
 from liftmods.state.errors import show
-from liftmods.state.tree import _build, _check_tree, _kinds, iter_leaves
+from liftmods.state.tree import check_tree, iter_leaves, unflatten
 
 
 def to_path(path) -> tuple:
@@ -60,7 +60,7 @@ def _subtree_items(fn: str, flat: dict, prefix: tuple, where: str) -> dict:
 
 def get(tree: Mapping, path):
   """The leaf or sub-tree of ``tree`` at ``path``."""
-  _check_tree('get', tree)
+  check_tree('get', tree)
   node = tree
   for i, key in enumerate(to_path(path)):
     if not isinstance(node, Mapping) or key not in node:
@@ -69,19 +69,17 @@ def get(tree: Mapping, path):
   return node
 
 
-def _rebuild(flat: dict, like: Mapping):
-  return _build(((p, x, 0) for p, x in flat.items()), _kinds(like, {}))
 
 
 def drop(tree: Mapping, *paths):
   """``tree`` without the leaves and sub-trees at ``paths``."""
-  _check_tree('drop', tree)
+  check_tree('drop', tree)
   flat = dict(iter_leaves(tree))
   for path in map(to_path, paths):
     gone = _subtree_items('drop', flat, path, 'the tree')
     for rel in gone:
       del flat[path + rel]
-  return _rebuild(flat, tree)
+  return unflatten(flat, like=tree)
 
 
 def rename(tree: Mapping, mapping: Mapping):
@@ -90,7 +88,7 @@ def rename(tree: Mapping, mapping: Mapping):
   and shifts (``{'Dense_1': 'Dense_2', 'Dense_2': 'Dense_3'}``) work; a
   destination that something not moved already occupies is a
   :class:`PathExistsError`."""
-  _check_tree('rename', tree)
+  check_tree('rename', tree)
   flat = dict(iter_leaves(tree))
   moved = []
   for src, dst in ((to_path(s), to_path(d)) for s, d in mapping.items()):
@@ -101,7 +99,7 @@ def rename(tree: Mapping, mapping: Mapping):
     if any(_under(p, path) or _under(path, p) for p in flat):
       raise errors.PathExistsError('rename', src, dst)
     flat[path] = leaf
-  return _rebuild(flat, tree)
+  return unflatten(flat, like=tree)
 
 
 def _shape_dtype(leaf):
@@ -133,8 +131,8 @@ def graft(dst: Mapping, src: Mapping, mapping: Mapping | None = None):
   the same shapes and dtypes (:class:`GraftShapeError` names both paths and
   both shapes). For a lenient, reporting version use :func:`load`.
   """
-  _check_tree('graft', dst)
-  _check_tree('graft', src)
+  check_tree('graft', dst)
+  check_tree('graft', src)
   flat_dst = dict(iter_leaves(dst))
   flat_src = dict(iter_leaves(src))
   for s, d in (mapping or {'': ''}).items():
@@ -153,7 +151,7 @@ def graft(dst: Mapping, src: Mapping, mapping: Mapping | None = None):
     for rel, leaf in part.items():
       _check_same(s + rel, leaf, d + rel, target[rel])
       flat_dst[d + rel] = leaf
-  return _rebuild(flat_dst, dst)
+  return unflatten(flat_dst, like=dst)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,8 +188,8 @@ def load(new: Mapping, old: Mapping, mapping: Mapping | None = None):
   names the old and the new path and both shapes); the rest of ``new`` is
   left as it is. ``report`` is a :class:`LoadReport`.
   """
-  _check_tree('load', new)
-  _check_tree('load', old)
+  check_tree('load', new)
+  check_tree('load', old)
   flat_new = dict(iter_leaves(new))
   flat_old = dict(iter_leaves(old))
   source, mapped = {}, set()  # new path -> old path; old paths mapped away
@@ -215,4 +213,4 @@ def load(new: Mapping, old: Mapping, mapping: Mapping | None = None):
       unused=tuple(show(p) for p in flat_old if p not in used),
       sources={show(d): show(s) for d, s in source.items()
                if d in flat_new and d != s})
-  return _rebuild(flat_new, new), report
+  return unflatten(flat_new, like=new), report

@@ -27,8 +27,8 @@ import jax
 
 from liftmods.state import errors
 from liftmods.state.filters import to_predicate, to_predicates
-from liftmods.state.tree import (_build, _check_tree, _kinds, iter_leaves,
-                                 merge, split)
+from liftmods.state.tree import (check_tree, iter_leaves, merge, split,
+                                 unflatten)
 
 
 def mask(tree: Mapping, *filters):
@@ -39,10 +39,10 @@ def mask(tree: Mapping, *filters):
   >>> state.mask({'enc': {'w': 1}, 'head': {'w': 2}}, 'head')
   {'enc': {'w': False}, 'head': {'w': True}}
   """
-  _check_tree('mask', tree)
+  check_tree('mask', tree)
   preds = tuple(to_predicate(f) for f in filters)
-  items = ((p, any(f(p, x) for f in preds), 0) for p, x in iter_leaves(tree))
-  return _build(items, _kinds(tree, {}))
+  items = ((p, any(f(p, x) for f in preds)) for p, x in iter_leaves(tree))
+  return unflatten(items, like=tree)
 
 
 def labels(tree: Mapping, spec: Mapping):
@@ -53,7 +53,7 @@ def labels(tree: Mapping, spec: Mapping):
   As in :func:`split`, a leaf no filter matches is an
   :class:`UnmatchedLeafError`; end ``spec`` with a ``...`` filter.
   """
-  _check_tree('labels', tree)
+  check_tree('labels', tree)
   if not isinstance(spec, Mapping) or not spec:
     raise errors.StateError('labels() takes a non-empty {label: filter} '
                             f'mapping; got {spec!r}.')
@@ -66,8 +66,8 @@ def labels(tree: Mapping, spec: Mapping):
         return name
     raise errors.UnmatchedLeafError(path, preds)
 
-  items = ((p, label(p, x), 0) for p, x in iter_leaves(tree))
-  return _build(items, _kinds(tree, {}))
+  items = ((p, label(p, x)) for p, x in iter_leaves(tree))
+  return unflatten(items, like=tree)
 
 
 def value_and_grad(fn: Callable, wrt, *, argnums: int = 0,

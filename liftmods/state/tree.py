@@ -33,7 +33,9 @@ from liftmods.state.filters import to_predicates
 _MISSING = object()
 
 
-def _check_tree(fn: str, tree) -> None:
+def check_tree(fn: str, tree) -> None:
+  """Raises :class:`NotATreeError`, naming the function ``fn``, unless
+  ``tree`` is a mapping."""
   if not isinstance(tree, Mapping):
     raise errors.NotATreeError(fn, tree)
 
@@ -56,13 +58,13 @@ def flatten(tree: Mapping) -> dict:
   >>> state.flatten({'params': {'w': 1, 'sub': {'b': 2}}})
   {('params', 'w'): 1, ('params', 'sub', 'b'): 2}
   """
-  _check_tree('flatten', tree)
+  check_tree('flatten', tree)
   return dict(iter_leaves(tree))
 
 
 def paths(tree: Mapping) -> list:
   """The ``'/'``-joined paths of the leaves of ``tree``, in order."""
-  _check_tree('paths', tree)
+  check_tree('paths', tree)
   return [errors.show(p) for p, _ in iter_leaves(tree)]
 
 
@@ -127,7 +129,7 @@ def _finish(node: dict, path: tuple, kinds: dict):
 
 
 def _partition(fn: str, tree: Mapping, filters, drop_rest: bool):
-  _check_tree(fn, tree)
+  check_tree(fn, tree)
   preds = to_predicates(filters or (...,))
   buckets = [[] for _ in preds]
   for path, leaf in iter_leaves(tree):
@@ -177,7 +179,7 @@ def merge(*trees):
     raise errors.StateError('merge() needs at least one tree.')
   kinds = {}
   for tree in trees:
-    _check_tree('merge', tree)
+    check_tree('merge', tree)
     _kinds(tree, kinds)
   items = ((p, x, i) for i, t in enumerate(trees) for p, x in iter_leaves(t))
   return _build(items, kinds)
@@ -190,10 +192,10 @@ def update(tree: Mapping, *partials):
   path is an :class:`UnknownPathError` (use :func:`merge` to add leaves).
   Later partials win over earlier ones.
   """
-  _check_tree('update', tree)
+  check_tree('update', tree)
   flat = dict(iter_leaves(tree))
   for partial in partials:
-    _check_tree('update', partial)
+    check_tree('update', partial)
     for path, leaf in iter_leaves(partial):
       if path not in flat:
         raise errors.UnknownPathError('update', path,

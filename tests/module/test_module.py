@@ -1380,3 +1380,11 @@ def test_top_level_module_attribute_assignment():
     return shapes(d.init(jax.random.key(0), X))
 
   differential(layers, run)
+
+
+def test_descriptor_proxy_doctests():
+  import doctest
+
+  from liftmods import descriptors
+  result = doctest.testmod(descriptors)
+  assert result.attempted > 0 and result.failed == 0

@@ -1,0 +1,210 @@
+"""What a wrapped module method call consults besides its module: this
+thread's stack of running modules, the ``capture_intermediates`` filters of
+the ``init``/``apply`` calls in progress, and the two hooks on every call.
+
+* **Interceptors** (Linen's ``nn.intercept_methods``) may change a call: each
+  one receives the next function to call and decides what to pass and
+  return.
+* **Recording** (:func:`record_calls`) only watches: it lists the calls made
+  inside its ``with`` body, with the shapes of their inputs and outputs.
+  ``tabulate``, ``Module.module_paths`` and ``state.module_types`` read
+  models this way.
+
+``liftmods.module`` re-exports the public names, as Linen's
+``flax.linen.module`` has them.
+
+>>> import jax, jax.numpy as jnp, liftmods as nn
+>>> from liftmods import call_context
+>>> model = nn.Dense(2)
+>>> with call_context.record_calls() as calls:
+...   _ = model.init(jax.random.key(0), jnp.ones((1, 3)))
+>>> [(c.path, type(c.module).__name__, c.method, c.outputs) for c in calls]
+[((), 'Dense', '__call__', ShapeDtypeStruct(shape=(1, 2), dtype=float32))]
+"""
+import contextlib
+import dataclasses
+import functools
+import threading
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+
+class ThreadCalls(threading.local):
+  """One thread's call state.
+
+  * ``module_stack``: the modules whose wrapped methods are running,
+    innermost last, above a bottom ``None``;
+  * ``capture_stack``: the ``capture_intermediates`` filter of each
+    ``init``/``apply`` in progress, innermost last;
+  * ``interceptors``: the registered interceptors, outermost first;
+  * ``recording``: the list :func:`record_calls` fills, or None.
+  """
+
+  def __init__(self):
+    self.module_stack = [None]
+    self.capture_stack = []
+    self.interceptors = []
+    self.recording = None
+
+
+calls = ThreadCalls()
+
+
+def current_module():
+  """The module whose wrapped method is running in this thread, or None
+  outside every module method."""
+  return calls.module_stack[-1]
+
+
+# -- interceptors ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class InterceptorContext:
+  """What an interceptor sees of the intercepted call: the module, the
+  method's name, and ``orig_method`` (the bound method itself; calling it
+  skips the remaining interceptors)."""
+
+  module: Any
+  method_name: str
+  orig_method: Callable[..., Any]
+
+
+@contextlib.contextmanager
+def intercept_methods(interceptor):
+  """Routes every wrapped module method call made in this thread through
+  ``interceptor(next_fun, args, kwargs, context)`` for the ``with`` body.
+
+  Interceptors nest: the one registered first runs first. Methods marked
+  ``nowrap``, dunder methods other than ``__call__``, fields and
+  descriptors are not intercepted.
+
+  >>> import jax.numpy as jnp, liftmods as nn
+  >>> class Foo(nn.Module):
+  ...   def __call__(self, x):
+  ...     return x
+  >>> def double(next_fun, args, kwargs, context):
+  ...   return 2 * next_fun(*args, **kwargs)
+  >>> with nn.intercept_methods(double):
+  ...   print(Foo()(jnp.ones(1)))
+  [2.]
+  """
+  stack = calls.interceptors
+  stack.append(interceptor)
+  try:
+    yield
+  finally:
+    stack.pop()
+
+
+def run_interceptors(orig_method, module, *args, **kwargs):
+  """Calls ``orig_method(module, *args, **kwargs)`` through this thread's
+  interceptors, outermost (first registered) first."""
+  bound = functools.partial(orig_method, module)
+  context = InterceptorContext(module, _fn_name(orig_method), bound)
+  fun = bound
+  for interceptor in reversed(calls.interceptors):
+    fun = _intercepted(interceptor, fun, context)
+  return fun(*args, **kwargs)
+
+
+def active_interceptors() -> tuple:
+  """The interceptors registered in this thread, outermost first. They are
+  part of what a trace computes, so trace caches key on them."""
+  return tuple(calls.interceptors)
+
+
+def _intercepted(interceptor, fun, context):
+
+  @functools.wraps(fun)
+  def call(*args, **kwargs):
+    return interceptor(fun, args, kwargs, context)
+
+  return call
+
+
+def _fn_name(fun) -> str:
+  if isinstance(fun, functools.partial):
+    return _fn_name(fun.func)
+  return getattr(fun, '__name__', 'unnamed')
+
+
+# -- recording ---------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ModuleCall:
+  """One recorded call: the module's scope path, the (bound) module, the
+  method's name, and its arguments and output with every array leaf
+  replaced by its ``jax.ShapeDtypeStruct``. ``outputs`` stays None until
+  the call returns."""
+
+  path: tuple
+  module: Any
+  method: str
+  args: tuple
+  kwargs: dict
+  outputs: Any = None
+
+  @classmethod
+  def enter(cls, module, method: str, args: tuple, kwargs: dict):
+    """Appends the call ``module`` is starting to the recording list and
+    returns it; the caller sets ``outputs`` when the call returns."""
+    call = cls(module.scope.path, module, method, abstract_arrays(args),
+               abstract_arrays(kwargs))
+    calls.recording.append(call)
+    return call
+
+
+@contextlib.contextmanager
+def record_calls():
+  """Yields a list that fills with a :class:`ModuleCall` for every wrapped
+  method call this thread makes in the ``with`` body, in the order the
+  calls start (so a parent comes before the children it calls).
+
+  Calls of ``setup`` and of unbound modules are left out, and so are
+  methods that are never wrapped (see :func:`intercept_methods`). Only the
+  innermost of nested ``record_calls`` blocks records; other threads are
+  not affected. Run the model under ``jax.eval_shape`` to record without
+  computing anything.
+  """
+  outer = calls.recording
+  calls.recording = recorded = []
+  try:
+    yield recorded
+  finally:
+    calls.recording = outer
+
+
+def is_array(x) -> bool:
+  """Whether ``x`` is an array leaf (a JAX or NumPy array, or its
+  ``jax.ShapeDtypeStruct``)."""
+  return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+
+
+def abstract_arrays(tree):
+  """``tree`` with its array leaves replaced by ShapeDtypeStructs, so that
+  it holds no tracer and no device buffer."""
+  return jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if is_array(x) else x,
+      tree, is_leaf=lambda x: x is None)
+
+
+def split_arrays(tree):
+  """``(array_leaves, rebuild)``: ``rebuild(new_leaves)`` is ``tree`` with
+  its array leaves replaced by ``new_leaves``, while every other leaf stays
+  the static Python value it was. Lets a call whose arguments mix arrays
+  and plain values go through ``jax.eval_shape`` or ``jax.jit``, e.g. to
+  re-run a recorded call."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  where = [i for i, x in enumerate(leaves) if is_array(x)]
+
+  def rebuild(arrays):
+    new = list(leaves)
+    for i, x in zip(where, arrays):
+      new[i] = x
+    return treedef.unflatten(new)
+
+  return [leaves[i] for i in where], rebuild
