@@ -40,13 +40,13 @@ from liftmods.traceback_util import api_boundary
 from liftmods.call_context import split_arrays
 from liftmods.spmd import (UNASSIGNED, LogicallyPartitioned, RulesFallback,
                            assign_mesh_axes, get_logical_axis_rules,
-                           logical_axis_rules)
+                           logical_axis_rules, record_constraint_names)
 
 
 class LogicalNamesWarning(UserWarning):
   """``init_sharded`` found a logical axis name of the model that no rule
-  maps (so that dimension is replicated), or a rule whose name is a near
-  spelling of a model name but matches nothing: most often a typo."""
+  maps (so that dimension is replicated), or a rule whose name the model
+  never uses: most often a typo."""
 
 
 def init_sharded(module, mesh, rules=None, *, unbox: bool = True,
@@ -66,11 +66,13 @@ def init_sharded(module, mesh, rules=None, *, unbox: bool = True,
 
   The first call checks the model's logical names against the rules and
   warns once (``LogicalNamesWarning``) when a model name matches no rule or
-  a rule's name matches nothing in the model but is spelled like a model
-  name; the warning names both. Map a name that should be replicated to
-  ``None`` (``('embed', None)``), or pass ``warn_unmapped=False``, to
-  silence it. Rules for names the model does not use and that resemble none
-  of its names (``('batch', 'data')`` for activations) are not reported.
+  a rule's name matches nothing in the model: no variable's names and no
+  ``with_logical_constraint`` call made while the model initializes (so a
+  rule for activations, ``('batch', 'data')``, counts as used when the
+  model constrains its activations with it). The warning names them, with
+  the model name a misspelled rule name resembles. Map a name that should
+  be replicated to ``None`` (``('embed', None)``), drop rules the model
+  does not use, or pass ``warn_unmapped=False``, to silence it.
   """
   checked = not warn_unmapped
   if not jax.config.jax_threefry_partitionable:
@@ -91,13 +93,13 @@ def init_sharded(module, mesh, rules=None, *, unbox: bool = True,
       variables = call(dynamic)
       return _strip(variables) if unbox else variables
 
-    with logical_axis_rules(active):
+    with logical_axis_rules(active), record_constraint_names() as seen:
       boxed = jax.eval_shape(call, dynamic)
       shardings = mesh_shardings(boxed, mesh, active, fallback)
     nonlocal checked
     if not checked:
       checked = True
-      _warn_unmatched(boxed, active, stacklevel=4)
+      _warn_unmatched(boxed, active, tuple(seen), stacklevel=4)
     jitted = jax.jit(run, out_shardings=shardings)
     return jitted, dynamic, shardings, active
 
@@ -196,22 +198,26 @@ def _names(box):
   return [n for n in box.names if isinstance(n, str)]
 
 
-def _warn_unmatched(boxed, rules, stacklevel):
+def _warn_unmatched(boxed, rules, constrained, stacklevel):
   model_only, rules_only = logical_name_mismatches(boxed, rules)
-  used = model_names(boxed)
-  typos = [n for n in rules_only if difflib.get_close_matches(n, used, n=1)]
-  if not model_only and not typos:
+  used = model_names(boxed) + constrained
+  rules_only = tuple(n for n in rules_only if n not in constrained)
+  if not model_only and not rules_only:
     return
   parts = []
   if model_only:
     parts.append(f'the model\'s logical axis names {model_only} match no '
                  'rule, so those dimensions are replicated')
   if rules_only:
-    parts.append(f'the rules\' names {rules_only} match nothing in the '
-                 'model')
+    hints = [f'{n!r} (did you mean {close[0]!r}?)' if close else repr(n)
+             for n in rules_only
+             for close in [difflib.get_close_matches(n, used, n=1)]]
+    parts.append(f'the rules\' names {", ".join(hints)} match no variable '
+                 'and no with_logical_constraint of the model')
   warnings.warn(
       f'init_sharded: {"; ".join(parts)}. Fix the spelling, map a name to '
-      'None to replicate it on purpose, or pass warn_unmapped=False.',
+      'None to replicate it on purpose, drop rules the model does not use, '
+      'or pass warn_unmapped=False.',
       LogicalNamesWarning, stacklevel=stacklevel + 1)
 
 

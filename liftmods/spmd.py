@@ -15,9 +15,11 @@ P('data', None, 'model')
 ...   logical_to_mesh_axes(('embed', None))
 P('data', None)
 """
+import contextlib
 import dataclasses
 import enum
 import functools
+import threading
 from collections.abc import Sequence
 from typing import Any, Union
 
@@ -168,11 +170,45 @@ def is_logical_names(x) -> bool:
   return x is None or (isinstance(x, tuple) and all(map(_is_name, x)))
 
 
+class _NamesSeen(threading.local):
+  record: dict | None = None
+
+
+_names_seen = _NamesSeen()
+
+
+@contextlib.contextmanager
+def record_constraint_names():
+  """Collects, in a dict used as an ordered set, the logical names that
+  ``with_logical_constraint`` is called with in this thread inside the
+  ``with`` block (``nn.init_sharded`` counts them as uses of the rules).
+
+  >>> import jax.numpy as jnp
+  >>> with record_constraint_names() as seen:
+  ...   _ = with_logical_constraint(jnp.ones((2, 3)), ('batch', 'embed'))
+  >>> list(seen)
+  ['batch', 'embed']
+  """
+  outer, _names_seen.record = _names_seen.record, {}
+  try:
+    yield _names_seen.record
+  finally:
+    seen, _names_seen.record = _names_seen.record, outer
+    if outer is not None:
+      outer.update(seen)
+
+
 def with_logical_constraint(x, logical_axis_resources, rules=None, mesh=None,
                             fallback=RulesFallback.AXIS_IS_UNSHARDED):
   """``jax.lax.with_sharding_constraint`` in logical names: constrains each
   array of ``x`` to the mesh axes its names map to. Does nothing without
   rules, or without a mesh (``mesh`` or a mesh context)."""
+  if _names_seen.record is not None and logical_axis_resources is not None:
+    for names in jax.tree_util.tree_leaves(logical_axis_resources,
+                                           is_leaf=is_logical_names):
+      _names_seen.record.update(
+          (n, None) for n in (names if isinstance(names, tuple) else (names,))
+          if isinstance(n, str))
   if rules is None:
     rules = get_logical_axis_rules()
   if not rules or logical_axis_resources is None:

@@ -24,11 +24,12 @@ import jax.numpy as jnp
 
 import liftmods as nn
 
-# Logical axis -> mesh axis: the batch splits over 'data'; attention heads,
-# the MLP's hidden units and the vocabulary over 'model'; the rest replicate.
-LOGICAL_RULES = (('batch', 'data'), ('heads', 'model'), ('mlp', 'model'),
-                 ('vocab', 'model'), ('embed', None), ('kv', None),
-                 ('length', None), ('layers', None))
+# Logical axis -> mesh axis for the parameters: attention heads, the MLP's
+# hidden units and the vocabulary over 'model'; the rest replicate. (The
+# batch is split over 'data' by the training loop's input sharding.)
+LOGICAL_RULES = (('heads', 'model'), ('mlp', 'model'), ('vocab', 'model'),
+                 ('embed', None), ('kv', None), ('length', None),
+                 ('layers', None))
 
 
 def _named(init, *names):

@@ -115,7 +115,8 @@ def test_misspelled_rule_warns_once_naming_both():
   typo = [w for w in caught if issubclass(w.category, nn.LogicalNamesWarning)]
   assert len(typo) == 1, [str(w.message) for w in caught]
   message = str(typo[0].message)
-  assert "('mlp',)" in message and "('mpl',)" in message
+  assert "('mlp',) match no rule" in message
+  assert "'mpl' (did you mean 'mlp'?) match no variable" in message
   assert 'warn_unmapped=False' in message
   assert typo[0].filename == __file__  # points at the user's call
   # Linen's default result: the unmatched dimension is replicated.
@@ -124,16 +125,33 @@ def test_misspelled_rule_warns_once_naming_both():
   assert variables['params']['Dense_0']['kernel'].shape == (4, 8)
 
 
-@pytest.mark.parametrize('rules,kwargs', [
-    ((('embed', 'fsdp'), ('mlp', 'tensor')), {}),
-    ((('embed', None), ('mlp', 'tensor'), ('batch', 'fsdp')), {}),
-    ((('embed', 'fsdp'), ('mpl', 'tensor')), {'warn_unmapped': False}),
+class ConstrainedMLP(MLP):
+  """Constrains its activations with the 'batch' name, which no variable
+  of the model carries."""
+
+  def __call__(self, x):
+    return nn.with_logical_constraint(super().__call__(x), ('batch', 'mlp'))
+
+
+@pytest.mark.parametrize('model,rules,kwargs', [
+    (MLP, (('embed', 'fsdp'), ('mlp', 'tensor')), {}),
+    (ConstrainedMLP, (('embed', None), ('mlp', 'tensor'), ('batch', 'fsdp')),
+     {}),
+    (MLP, (('embed', 'fsdp'), ('mpl', 'tensor')), {'warn_unmapped': False}),
 ])
-def test_correct_or_silenced_rules_do_not_warn(rules, kwargs):
+def test_correct_or_silenced_rules_do_not_warn(model, rules, kwargs):
   with warnings.catch_warnings():
     warnings.simplefilter('error', nn.LogicalNamesWarning)
-    _, shardings = nn.init_sharded(MLP(), MESH, rules, **kwargs)(KEY, INPUT)
+    _, shardings = nn.init_sharded(model(), MESH, rules, **kwargs)(KEY, INPUT)
   assert shardings['params']['Dense_0']['kernel'].spec[1] in ('tensor', None)
+
+
+def test_a_rule_the_model_never_uses_warns():
+  rules = (('embed', 'fsdp'), ('mlp', 'tensor'), ('batch', 'fsdp'))
+  with pytest.warns(nn.LogicalNamesWarning,
+                    match=r"names 'batch' match no variable and no "
+                    r"with_logical_constraint"):
+    nn.init_sharded(MLP(), MESH, rules)(KEY, INPUT)
 
 
 def test_raise_error_names_the_unmapped_name():
