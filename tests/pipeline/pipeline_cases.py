@@ -211,7 +211,10 @@ def test_idle_iterations_do_not_leak_and_counters_count_microbatches():
                                 np.full(16, 1 + 8))
   y_plain, _ = jax.jit(lambda v, x: plain.apply(v, x, mutable=['counts']))(
       pipe.to_stack_layout(v), x)
-  assert_bitwise(y, y_plain)
+  # 2-row microbatches against the 16-row batch: whether XLA:CPU picks the
+  # same product kernel for both depends on the CPU (bitwise on some, 3e-6
+  # relative on others); the tolerance is float32 rounding over 16 layers.
+  np.testing.assert_allclose(y, y_plain, rtol=2e-5, atol=1e-5)
 
 
 def test_dropout_draws_the_unpipelined_keys_per_microbatch():
@@ -304,7 +307,7 @@ def test_init_sharded_puts_each_stage_on_its_devices():
   pipelined = nn.Stack(Wide, 16, pipeline=pipe)()
   x = batch(8)
   mesh = mesh_of(4, 2)
-  rules = (('layers', 'stage'), ('mlp', 'data'))
+  rules = (('layers', 'stage'), ('mlp', 'data'), ('embed', None))
   variables, shardings = nn.init_sharded(pipelined, mesh, rules)(
       jax.random.key(0), x)
   kernel = variables['params']['Dense_0']['kernel']
@@ -326,7 +329,11 @@ def test_init_sharded_puts_each_stage_on_its_devices():
             'kernel'])[natural][:, :, shard.index[2]])
   with jax.set_mesh(mesh):
     y = jax.jit(pipelined.apply)({'params': variables['params']}, x)
-  assert_bitwise(y, jax.jit(nn.Stack(Wide, 16)().apply)(plain, x))
+  # Here the kernels' 'mlp' dimension is split over 'data', so each layer's
+  # product is summed in two halves and all-reduced: the same arithmetic as
+  # the one-device stack up to float32 rounding (seen: 3.3e-6 relative).
+  np.testing.assert_allclose(y, jax.jit(nn.Stack(Wide, 16)().apply)(plain, x),
+                             rtol=2e-5, atol=1e-5)
 
 
 def test_errors_name_the_problem():
