@@ -221,8 +221,8 @@ def _scope_fn_for(self, state, fn, fn_name, multi_scope=True, cls=None):
 
 
 @api_boundary
-def _call_lifted(self, transform, fns, names, trafo_args, trafo_kwargs, args,
-                 kwargs, cls=None, multi_scope=True):
+def call_lifted(self, transform, fns, names, trafo_args, trafo_kwargs, args,
+                kwargs, cls=None, multi_scope=True):
   """Runs ``fns`` (methods of ``self``) under ``transform``."""
   state = self._state.export()
   scope_fns = [_scope_fn_for(self, state, f, n, multi_scope, cls)
@@ -258,8 +258,8 @@ def _is_module_class(target) -> bool:
 def _class_method(transform, fn, fn_name, trafo_args, trafo_kwargs, cls):
 
   def lifted(self, *args, **kwargs):
-    return _call_lifted(self, transform, (fn,), (fn_name,), trafo_args,
-                        trafo_kwargs, args, kwargs, cls=cls)
+    return call_lifted(self, transform, (fn,), (fn_name,), trafo_args,
+                       trafo_kwargs, args, kwargs, cls=cls)
 
   return lifted
 
@@ -292,8 +292,8 @@ def lift_decorator(transform, class_fns, *trafo_args, multi_scope=True,
   names = [getattr(f, '__name__', 'fn') for f in fns]
 
   def lifted(self, *args, **kwargs):
-    return _call_lifted(self, transform, wrapped, names, trafo_args,
-                        trafo_kwargs, args, kwargs, multi_scope=multi_scope)
+    return call_lifted(self, transform, wrapped, names, trafo_args,
+                       trafo_kwargs, args, kwargs, multi_scope=multi_scope)
 
   return functools.wraps(wrapped[0])(lifted)
 

@@ -32,6 +32,7 @@ import numpy as np
 from liftmods import errors
 from liftmods.core import meta, partial_eval
 from liftmods.core import filters
+from liftmods.core.caching import BoundedCache
 from liftmods.core.filters import in_filter
 from liftmods.config import FLAG_VALUES
 from liftmods.core.frozen_dict import FrozenDict, freeze, unfreeze
@@ -412,8 +413,7 @@ class Scope:
 
 # -- parameter shape checks, cached per (initializer, arguments) -------------
 
-_SHAPE_CACHE: dict = {}
-_SHAPE_CACHE_LIMIT = 4096
+_SHAPE_CACHE = BoundedCache(4096)
 
 
 _VALUE_TYPES = (int, float, complex, bool, str, bytes, type(None), type,
@@ -531,8 +531,6 @@ def _expected_shapes(init_fn, init_args, init_kwargs):
   # (Unboxing would apply a box's sharding constraint to them.)
   shapes = tuple(np.shape(x) for x in jax.tree_util.tree_leaves(abstract))
   if key is not None:
-    if len(_SHAPE_CACHE) >= _SHAPE_CACHE_LIMIT:
-      _SHAPE_CACHE.clear()
     _SHAPE_CACHE[key] = shapes
   return shapes
 
