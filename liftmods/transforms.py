@@ -21,6 +21,7 @@ Applied to a Module class, a transform returns a subclass (named e.g.
 import dataclasses
 import functools
 import inspect
+import types
 from typing import Any, Callable
 
 import jax
@@ -595,10 +596,12 @@ class _ModuleKey:
 
   __slots__ = ('module', 'key', '_hash')
 
-  def __init__(self, module: Module):
+  def __init__(self, module: Module, fingerprint=None):
+    """``fingerprint``: ``_fingerprint(module)`` when the caller has it."""
     self.module = module
-    self.key = (_fingerprint(module), _state_key(module),
-                active_interceptors())
+    if fingerprint is None:
+      fingerprint = _fingerprint(module)
+    self.key = (fingerprint, _state_key(module), active_interceptors())
     self._hash = hash(self.key)
 
   def __hash__(self):
@@ -626,6 +629,35 @@ class _forked_rngs:
 
   def __exit__(self, *exc):
     self.scope.rngs = self.saved
+
+
+# Field value types that are their own fingerprint and can hold no bound
+# module or Variable (a function is never a pytree node).
+_KEY_LEAF_TYPES = frozenset((type(None), str, int, float, bool,
+                             types.FunctionType))
+
+
+def _scopes_and_key(module: Module, args, kwargs):
+  """``get_module_scopes`` and ``_ModuleKey`` of a bound module, in one pass
+  over its fields when none can hold a module (the usual case: numbers,
+  strings, initializer functions) and the arguments hold none either."""
+  module._try_setup(shallow=True)
+  d = module.__dict__
+  fields = []
+  for n in module._init_field_names:
+    if n == 'parent':
+      continue
+    v = d[n]
+    if type(v) not in _KEY_LEAF_TYPES:
+      break
+    if n != 'name':
+      fields.append((n, v))
+  else:
+    if not _needs_walk(args, kwargs):
+      key = _ModuleKey(module, (type(module), tuple(fields)))
+      return [module.scope], args, kwargs or {}, key
+  scopes, args, kwargs = get_module_scopes(module, args, kwargs)
+  return scopes, args, kwargs, _ModuleKey(module)
 
 
 def _unbound_jit(fn, trafo_kwargs):
@@ -668,8 +700,7 @@ def _jit_lift(fn, fn_name, cls, trafo_kwargs, transform=lift.jit):
     if core is None:
       core = transform(scope_fn, **trafo_kwargs)
     with _forked_rngs(self):
-      scopes, args, kwargs = get_module_scopes(self, args, kwargs)
-      key = _ModuleKey(self)
+      scopes, args, kwargs, key = _scopes_and_key(self, args, kwargs)
       try:
         return core(scopes, key, *args, **kwargs)
       finally:
