@@ -86,8 +86,12 @@ _PLAIN_ARG_TYPES = set()  # types seen as call arguments that hold no module
 
 
 def _needs_walk(args, kwargs) -> bool:
-  if not kwargs and all(type(a) in _PLAIN_ARG_TYPES for a in args):
-    return False
+  if not kwargs:
+    for a in args:
+      if type(a) not in _PLAIN_ARG_TYPES:
+        break
+    else:
+      return False
   leaves = jax.tree_util.tree_leaves((args, kwargs), is_leaf=_bound)
   if any(_bound(x) for x in leaves):
     return True
@@ -611,26 +615,6 @@ class _ModuleKey:
     return isinstance(other, _ModuleKey) and self.key == other.key
 
 
-class _forked_rngs:
-  """Replaces each rng sequence of a scope by a fresh key made from it (as
-  Linen's jit does), restoring the sequences afterwards."""
-
-  __slots__ = ('scope', 'saved')
-
-  def __init__(self, module: Module):
-    self.scope = module.scope
-
-  def __enter__(self):
-    scope = self.scope
-    self.saved = scope.rngs
-    if scope.rngs:
-      scope.rngs = {name: lift.LazyKey(scope.make_rng(name))
-                    for name in self.saved}
-
-  def __exit__(self, *exc):
-    self.scope.rngs = self.saved
-
-
 # Field value types that are their own fingerprint and can hold no bound
 # module or Variable (a function is never a pytree node).
 _KEY_LEAF_TYPES = frozenset((type(None), str, int, float, bool,
@@ -699,12 +683,20 @@ def _jit_lift(fn, fn_name, cls, trafo_kwargs, transform=lift.jit):
       return unbound(_ModuleKey(self), *args, **kwargs)
     if core is None:
       core = transform(scope_fn, **trafo_kwargs)
-    with _forked_rngs(self):
+    # Each rng sequence is replaced by a fresh key made from it (as Linen's
+    # jit does) for the call, and restored afterwards.
+    scope = self.scope
+    saved = scope.rngs
+    if saved:
+      scope.rngs = {name: lift.LazyKey(scope.make_rng(name)) for name in saved}
+    try:
       scopes, args, kwargs, key = _scopes_and_key(self, args, kwargs)
       try:
         return core(scopes, key, *args, **kwargs)
       finally:
         key.module = None  # the cache keeps the key: not the bound module
+    finally:
+      scope.rngs = saved
 
   return lifted
 

@@ -208,6 +208,8 @@ class Packing:
 
   def rng_groups(self, filters):
     if len(self.scopes) == 1 and not self.scopes[0].rngs:
+      if len(filters) == 1:
+        return (({},),)
       return tuple(({},) for _ in filters)
     per_scope = []
     for s in self.scopes:

@@ -124,8 +124,11 @@ class Scope:
     self.root = parent.root if parent is not None else self
     self.name = name
     self.path = tuple(path)
-    self.rngs = {k: as_lazy(k, v) for k, v in (rngs or {}).items()}
-    self.rng_counters = {k: 0 for k in self.rngs}
+    if rngs:
+      self.rngs = {k: as_lazy(k, v) for k, v in rngs.items()}
+      self.rng_counters = {k: 0 for k in self.rngs}
+    else:
+      self.rngs, self.rng_counters = {}, {}
     self.mutable = mutable
     self.reservations = {}
     self.flags = flags if flags is not None else {}
@@ -572,6 +575,8 @@ def _normalize_rngs(rngs, entry='apply'):
 
 
 def _copy_mutable(variables: Mapping, mutable) -> dict:
+  if mutable is False:  # apply's default: nothing to copy
+    return dict(variables)
   return {col: (unfreeze(value) if in_filter(mutable, col) else value)
           for col, value in variables.items()}
 
