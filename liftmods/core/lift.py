@@ -20,6 +20,13 @@ shares the counters of the outer one, so a transform that traces its body
 twice (scan does, to initialise broadcast variables) advances them twice, and
 the keys drawn are bit-identical to ``flax.core.lift``.
 
+This module holds map_variables, vmap, scan, the loops and branches and
+remat; the rest lives next to it and is re-exported here: ``pack`` and the
+axis markers (``core.pack``), scan's loop engine (``core.axes_scan``), rng
+counter snapshots (``core.rng_counters``), ``jit``/``fold_rngs``
+(``core.lifted_jit``) and the differentiation transforms
+(``core.autodiff``).
+
 >>> import jax, jax.numpy as jnp
 >>> from liftmods.core import init, lift
 >>> def dense(scope, x):
