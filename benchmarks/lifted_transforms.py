@@ -8,13 +8,22 @@ one exists), in one process.
    Dense(``mlp_width``) layers at batch ``mlp_batch``; and nn.jit trace
    counts for identical jitted blocks (one configuration, several paths),
    next to Linen's.
+   ``jit`` puts both eager-call figures in one table: per model, nn.jit's
+   cost as a ratio to jax.jit of the same apply and to Linen's nn.jit, from
+   alternating blocked rounds (median over rounds, and best call vs best
+   call).
 3. Gradient temp memory (XLA memory_analysis of a jitted grad) for a plain
    scan, ``remat_scan(lengths=(8, 8))`` and a scan of per-layer remat.
 4. Compiled step time of the scanned apply.
 
   python -m benchmarks.lifted_transforms --depth=24 --deep=96 --hidden=256
   python -m benchmarks.lifted_transforms --sections=dispatch,mlp,blocks
+  python -m benchmarks.lifted_transforms --sections=jit
 """
+import functools
+import statistics
+import time
+
 from absl import app, flags
 import flax.linen as fnn
 import jax
@@ -38,7 +47,7 @@ flags.DEFINE_integer('dispatch_calls', 300, 'timed calls per eager figure')
 flags.DEFINE_integer('dispatch_rounds', 5,
                      'alternating rounds per eager figure (median ratio over '
                      'rounds, so that load shared by both sides cancels)')
-flags.DEFINE_list('sections', 'trace,dispatch,mlp,blocks,memory,step',
+flags.DEFINE_list('sections', 'trace,jit,dispatch,mlp,blocks,memory,step',
                   'figures to run (comma-separated)')
 flags.DEFINE_integer('mem_depth', 64, 'depth for the memory figures')
 flags.DEFINE_integer('mem_hidden', 64, 'width for the memory figures')
@@ -195,6 +204,72 @@ def mlp_dispatch_figures(key):
   return rows, ratios
 
 
+def _blocked_calls(fn, calls):
+  """Per-call seconds of ``calls`` blocked calls of ``fn``: (median, best)."""
+  times = []
+  for _ in range(calls):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times), min(times)
+
+
+def jit_overhead_figures(key):
+  """nn.jit's eager-call cost on a tiny MLP and on the depth-``depth``
+  scanned stack, as ratios to jax.jit of the same apply and to Linen's
+  nn.jit. The four callables of a model are timed in alternating rounds
+  (so load shared by all cancels); ratios are medians over rounds of
+  per-round medians, and best call over best call."""
+  mlp_x = jnp.ones((F.mlp_batch, F.mlp_width))
+  stack_x = jnp.ones((1, F.dispatch_hidden))
+  models = (
+      (f'{F.mlp_layers}xDense({F.mlp_width}), batch {F.mlp_batch}',
+       lambda nn: build_mlp(nn, F.mlp_layers, F.mlp_width), (), mlp_x),
+      (f'scan depth {F.depth}, H={F.dispatch_hidden}, batch 1', build,
+       (F.depth, F.dispatch_hidden), stack_x),
+  )
+  results = {}
+  print('\nnn.jit eager call vs jax.jit and vs flax.linen nn.jit '
+        f'({F.dispatch_rounds} alternating rounds x {F.dispatch_calls} '
+        'blocked calls)')
+  print(f'  {"model":<30}{"liftmods nn.jit":>16}{"jax.jit":>10}'
+        f'{"/jax.jit":>10}{"(best)":>8}{"linen nn.jit":>14}{"/linen":>8}')
+  for label, make, cfg, x in models:
+    calls = {}
+    for name, nn in (('liftmods', lnn), ('flax.linen', fnn)):
+      cls = make(nn)
+      v = cls(*cfg).init(key, x)
+      plain, lifted = jax.jit(cls(*cfg).apply), nn.jit(cls)(*cfg)
+      calls[f'{name} jax.jit'] = functools.partial(plain, v, x)
+      calls[f'{name} nn.jit'] = functools.partial(lifted.apply, v, x)
+    rounds = {name: [] for name in calls}
+    for name, fn in calls.items():
+      _blocked_calls(fn, 20)  # compile and warm up
+    for _ in range(F.dispatch_rounds):
+      for name, fn in calls.items():
+        rounds[name].append(_blocked_calls(fn, F.dispatch_calls))
+
+    def ratio(a, b, which=0):
+      if which:
+        return (min(r[1] for r in rounds[a]) / min(r[1] for r in rounds[b]))
+      return statistics.median(
+          ra[0] / rb[0] for ra, rb in zip(rounds[a], rounds[b]))
+
+    ours = statistics.median(r[0] for r in rounds['liftmods nn.jit'])
+    base = statistics.median(r[0] for r in rounds['liftmods jax.jit'])
+    theirs = statistics.median(r[0] for r in rounds['flax.linen nn.jit'])
+    row = {'vs_jax_jit': ratio('liftmods nn.jit', 'liftmods jax.jit'),
+           'vs_jax_jit_best': ratio('liftmods nn.jit', 'liftmods jax.jit', 1),
+           'vs_linen_nn_jit': ratio('liftmods nn.jit', 'flax.linen nn.jit'),
+           'median_us': ours * 1e6, 'jax_jit_us': base * 1e6,
+           'linen_us': theirs * 1e6}
+    results[label] = row
+    print(f'  {label:<30}{row["median_us"]:>14.1f}us{row["jax_jit_us"]:>8.1f}us'
+          f'{row["vs_jax_jit"]:>9.2f}x{row["vs_jax_jit_best"]:>7.2f}x'
+          f'{row["linen_us"]:>12.1f}us{row["vs_linen_nn_jit"]:>7.2f}x')
+  return results
+
+
 def identical_block_traces(key):
   """Traces of a jitted block used four times with one configuration, in
   a plain model and in a scan body."""
@@ -280,7 +355,8 @@ def step_figures(key):
 
 def main(_):
   key = jax.random.key(0)
-  sections = {'trace': trace_figures, 'dispatch': dispatch_figures,
+  sections = {'trace': trace_figures, 'jit': jit_overhead_figures,
+              'dispatch': dispatch_figures,
               'mlp': mlp_dispatch_figures, 'blocks': identical_block_traces,
               'memory': memory_figures, 'step': step_figures}
   for name in F.sections:

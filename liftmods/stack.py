@@ -39,10 +39,13 @@ from jax import lax
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable, checkpoint_name
 
 from liftmods import errors, pipeline as pipelining
-from liftmods.core import lift, meta
-from liftmods.core.lift import broadcast
+from liftmods.core import meta
+from liftmods.core.pack import (broadcast, check_variable_axes, has_rngs,
+                                outer_scopes, pack, split_keys)
+from liftmods.core.rng_counters import (RngReplay, restore_scopes,
+                                        snapshot_scopes)
 from liftmods.module import Module
-from liftmods.transforms import _call_lifted
+from liftmods.transforms import call_lifted
 
 CARRY = 'stack_carry'
 INPUTS = 'stack_inputs'
@@ -301,15 +304,6 @@ def _check_carry(path, block, fold, c_in, out):
 # -- the loop over layers ----------------------------------------------------------------
 
 
-def _counters(scopes):
-  return tuple(lift._counter_state(s.rng_counters) for s in scopes)  # pylint: disable=protected-access
-
-
-def _set_counters(scopes, state):
-  for scope, counters in zip(scopes, state):
-    lift._set_counters(scope.rng_counters, counters)  # pylint: disable=protected-access
-
-
 def _take(tree, start, stop=None):
   if stop is None:
     return jax.tree_util.tree_map(lambda a: a[start], tree)
@@ -343,11 +337,10 @@ def _stack_transform(layer_fn, *, length, policy, mode, unroll,
   jax_policy = policy.jax_policy(offload) if policy is not None else None
 
   def inner(scope_fn, repack_fn, variable_groups, rng_groups, c, per_layer):
-    scopes = lift._outer_scopes(scope_fn)  # pylint: disable=protected-access
+    scopes = outer_scopes(scope_fn)
     stacked = meta.remove_axis(variable_groups[0], 0, metadata_params)
-    lift._check_variable_axes('Stack', scopes, (stacked,), (0,), length,  # pylint: disable=protected-access
-                              'length')
-    keys = lift._split_keys(rng_groups[0], length)  # pylint: disable=protected-access
+    check_variable_axes('Stack', scopes, (stacked,), (0,), length, 'length')
+    keys = split_keys(rng_groups[0], length)
     xs = (stacked, keys, per_layer)
     pipelined = pipeline is not None and not pipelining.initializing(
         scopes, stacked)
@@ -371,11 +364,11 @@ def _stack_transform(layer_fn, *, length, policy, mode, unroll,
     def run(c, sliced, n, ready):
       """``n`` layers, looped or unrolled, each traced from ``ready``."""
       if in_loop:
-        _set_counters(scopes, ready)
+        restore_scopes(scopes, ready)
         return lax.scan(layer_ck, c, sliced, length=n, unroll=unroll)
       outs = []
       for i in range(n):
-        _set_counters(scopes, ready)
+        restore_scopes(scopes, ready)
         c, out = layer_ck(c, _take(sliced, i))
         outs.append(out)
       return c, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
@@ -385,7 +378,7 @@ def _stack_transform(layer_fn, *, length, policy, mode, unroll,
 
     def all_layers(ready):
       if pipelined:
-        _set_counters(scopes, ready)
+        restore_scopes(scopes, ready)
         c_out, var_out = pipelining.run(
             pipeline, layer, jax_policy, c, stacked, keys, per_layer,
             length=length, is_mutable=scopes[0].is_mutable_collection,
@@ -403,7 +396,7 @@ def _stack_transform(layer_fn, *, length, policy, mode, unroll,
     var_out = meta.add_axis(var_out, 0, metadata_params)
     return (c, ys), (var_out,)
 
-  return lift.pack(inner, (True,), (True,), (True,), name='Stack')
+  return pack(inner, (True,), (True,), (True,), name='Stack')
 
 
 def _replaying_rngs(scopes, rng_groups, site, layer, c, xs, all_layers,
@@ -418,9 +411,9 @@ def _replaying_rngs(scopes, rng_groups, site, layer, c, xs, all_layers,
   after each layer trace that the counters moved as recorded (else it
   starts over the first way).
   """
-  if not lift._has_rngs(rng_groups):  # pylint: disable=protected-access
-    return all_layers(_counters(scopes))
-  replay = lift._RngReplay(  # pylint: disable=protected-access
+  if not has_rngs(rng_groups):
+    return all_layers(snapshot_scopes(scopes))
+  replay = RngReplay(
       scopes, (site, jax.tree_util.tree_structure((c, xs))))
 
   def checked(check):
@@ -573,8 +566,8 @@ def _run(self, block, config, fold, x, args, kwargs):
                             site=(block, fold, axes, length, policy, mode,
                                   config['unroll'], config['pipeline']))
 
-  c, ys = _call_lifted(self, transform, (call_block,), ('__call__',), (), {},
-                       (x, per_layer), {}, cls=block)
+  c, ys = call_lifted(self, transform, (call_block,), ('__call__',), (), {},
+                      (x, per_layer), {}, cls=block)
   return c if fold else (c, ys)
 
 

@@ -21,6 +21,7 @@ Applied to a Module class, a transform returns a subclass (named e.g.
 import dataclasses
 import functools
 import inspect
+import types
 from typing import Any, Callable
 
 import jax
@@ -85,8 +86,12 @@ _PLAIN_ARG_TYPES = set()  # types seen as call arguments that hold no module
 
 
 def _needs_walk(args, kwargs) -> bool:
-  if not kwargs and all(type(a) in _PLAIN_ARG_TYPES for a in args):
-    return False
+  if not kwargs:
+    for a in args:
+      if type(a) not in _PLAIN_ARG_TYPES:
+        break
+    else:
+      return False
   leaves = jax.tree_util.tree_leaves((args, kwargs), is_leaf=_bound)
   if any(_bound(x) for x in leaves):
     return True
@@ -221,8 +226,8 @@ def _scope_fn_for(self, state, fn, fn_name, multi_scope=True, cls=None):
 
 
 @api_boundary
-def _call_lifted(self, transform, fns, names, trafo_args, trafo_kwargs, args,
-                 kwargs, cls=None, multi_scope=True):
+def call_lifted(self, transform, fns, names, trafo_args, trafo_kwargs, args,
+                kwargs, cls=None, multi_scope=True):
   """Runs ``fns`` (methods of ``self``) under ``transform``."""
   state = self._state.export()
   scope_fns = [_scope_fn_for(self, state, f, n, multi_scope, cls)
@@ -258,8 +263,8 @@ def _is_module_class(target) -> bool:
 def _class_method(transform, fn, fn_name, trafo_args, trafo_kwargs, cls):
 
   def lifted(self, *args, **kwargs):
-    return _call_lifted(self, transform, (fn,), (fn_name,), trafo_args,
-                        trafo_kwargs, args, kwargs, cls=cls)
+    return call_lifted(self, transform, (fn,), (fn_name,), trafo_args,
+                       trafo_kwargs, args, kwargs, cls=cls)
 
   return lifted
 
@@ -292,8 +297,8 @@ def lift_decorator(transform, class_fns, *trafo_args, multi_scope=True,
   names = [getattr(f, '__name__', 'fn') for f in fns]
 
   def lifted(self, *args, **kwargs):
-    return _call_lifted(self, transform, wrapped, names, trafo_args,
-                        trafo_kwargs, args, kwargs, multi_scope=multi_scope)
+    return call_lifted(self, transform, wrapped, names, trafo_args,
+                       trafo_kwargs, args, kwargs, multi_scope=multi_scope)
 
   return functools.wraps(wrapped[0])(lifted)
 
@@ -595,10 +600,12 @@ class _ModuleKey:
 
   __slots__ = ('module', 'key', '_hash')
 
-  def __init__(self, module: Module):
+  def __init__(self, module: Module, fingerprint=None):
+    """``fingerprint``: ``_fingerprint(module)`` when the caller has it."""
     self.module = module
-    self.key = (_fingerprint(module), _state_key(module),
-                active_interceptors())
+    if fingerprint is None:
+      fingerprint = _fingerprint(module)
+    self.key = (fingerprint, _state_key(module), active_interceptors())
     self._hash = hash(self.key)
 
   def __hash__(self):
@@ -608,24 +615,33 @@ class _ModuleKey:
     return isinstance(other, _ModuleKey) and self.key == other.key
 
 
-class _forked_rngs:
-  """Replaces each rng sequence of a scope by a fresh key made from it (as
-  Linen's jit does), restoring the sequences afterwards."""
+# Field value types that are their own fingerprint and can hold no bound
+# module or Variable (a function is never a pytree node).
+_KEY_LEAF_TYPES = frozenset((type(None), str, int, float, bool,
+                             types.FunctionType))
 
-  __slots__ = ('scope', 'saved')
 
-  def __init__(self, module: Module):
-    self.scope = module.scope
-
-  def __enter__(self):
-    scope = self.scope
-    self.saved = scope.rngs
-    if scope.rngs:
-      scope.rngs = {name: lift.LazyKey(scope.make_rng(name))
-                    for name in self.saved}
-
-  def __exit__(self, *exc):
-    self.scope.rngs = self.saved
+def _scopes_and_key(module: Module, args, kwargs):
+  """``get_module_scopes`` and ``_ModuleKey`` of a bound module, in one pass
+  over its fields when none can hold a module (the usual case: numbers,
+  strings, initializer functions) and the arguments hold none either."""
+  module._try_setup(shallow=True)
+  d = module.__dict__
+  fields = []
+  for n in module._init_field_names:
+    if n == 'parent':
+      continue
+    v = d[n]
+    if type(v) not in _KEY_LEAF_TYPES:
+      break
+    if n != 'name':
+      fields.append((n, v))
+  else:
+    if not _needs_walk(args, kwargs):
+      key = _ModuleKey(module, (type(module), tuple(fields)))
+      return [module.scope], args, kwargs or {}, key
+  scopes, args, kwargs = get_module_scopes(module, args, kwargs)
+  return scopes, args, kwargs, _ModuleKey(module)
 
 
 def _unbound_jit(fn, trafo_kwargs):
@@ -667,13 +683,20 @@ def _jit_lift(fn, fn_name, cls, trafo_kwargs, transform=lift.jit):
       return unbound(_ModuleKey(self), *args, **kwargs)
     if core is None:
       core = transform(scope_fn, **trafo_kwargs)
-    with _forked_rngs(self):
-      scopes, args, kwargs = get_module_scopes(self, args, kwargs)
-      key = _ModuleKey(self)
+    # Each rng sequence is replaced by a fresh key made from it (as Linen's
+    # jit does) for the call, and restored afterwards.
+    scope = self.scope
+    saved = scope.rngs
+    if saved:
+      scope.rngs = {name: lift.LazyKey(scope.make_rng(name)) for name in saved}
+    try:
+      scopes, args, kwargs, key = _scopes_and_key(self, args, kwargs)
       try:
         return core(scopes, key, *args, **kwargs)
       finally:
         key.module = None  # the cache keeps the key: not the bound module
+    finally:
+      scope.rngs = saved
 
   return lifted
 

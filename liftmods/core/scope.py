@@ -32,6 +32,7 @@ import numpy as np
 from liftmods import errors
 from liftmods.core import meta, partial_eval
 from liftmods.core import filters
+from liftmods.core.caching import BoundedCache
 from liftmods.core.filters import in_filter
 from liftmods.config import FLAG_VALUES
 from liftmods.core.frozen_dict import FrozenDict, freeze, unfreeze
@@ -123,8 +124,11 @@ class Scope:
     self.root = parent.root if parent is not None else self
     self.name = name
     self.path = tuple(path)
-    self.rngs = {k: as_lazy(k, v) for k, v in (rngs or {}).items()}
-    self.rng_counters = {k: 0 for k in self.rngs}
+    if rngs:
+      self.rngs = {k: as_lazy(k, v) for k, v in rngs.items()}
+      self.rng_counters = {k: 0 for k in self.rngs}
+    else:
+      self.rngs, self.rng_counters = {}, {}
     self.mutable = mutable
     self.reservations = {}
     self.flags = flags if flags is not None else {}
@@ -412,8 +416,7 @@ class Scope:
 
 # -- parameter shape checks, cached per (initializer, arguments) -------------
 
-_SHAPE_CACHE: dict = {}
-_SHAPE_CACHE_LIMIT = 4096
+_SHAPE_CACHE = BoundedCache(4096)
 
 
 _VALUE_TYPES = (int, float, complex, bool, str, bytes, type(None), type,
@@ -531,8 +534,6 @@ def _expected_shapes(init_fn, init_args, init_kwargs):
   # (Unboxing would apply a box's sharding constraint to them.)
   shapes = tuple(np.shape(x) for x in jax.tree_util.tree_leaves(abstract))
   if key is not None:
-    if len(_SHAPE_CACHE) >= _SHAPE_CACHE_LIMIT:
-      _SHAPE_CACHE.clear()
     _SHAPE_CACHE[key] = shapes
   return shapes
 
@@ -574,6 +575,8 @@ def _normalize_rngs(rngs, entry='apply'):
 
 
 def _copy_mutable(variables: Mapping, mutable) -> dict:
+  if mutable is False:  # apply's default: nothing to copy
+    return dict(variables)
   return {col: (unfreeze(value) if in_filter(mutable, col) else value)
           for col, value in variables.items()}
 

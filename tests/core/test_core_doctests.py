@@ -7,6 +7,9 @@ import pytest
 MODULES = [
     'liftmods.core',
     'liftmods.core.scope',
+    'liftmods.core.caching',
+    'liftmods.core.rng_counters',
+    'liftmods.core.lift',
     'liftmods.core.filters',
     'liftmods.core.rngs',
     'liftmods.core.frozen_dict',

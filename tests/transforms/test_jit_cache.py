@@ -254,3 +254,119 @@ def test_jit_on_init_with_output_override():
     assert len(count) == 1, nn  # the second init hits the cache
     results[nn] = (y, variables)
   assert_identical(results[lnn], results[fnn])
+
+
+# -- what a cached call must still tell apart ----------------------------------
+
+
+def _traced_model(count):
+  """A jitted top-level model with scalar, function and bool fields (the
+  fields ``nn.jit`` keys in one pass) that counts its traces."""
+
+  class Net(lnn.Module):
+    width: int = 3
+    scale: float = 1.0
+    act: Any = jnp.tanh
+    use_bias: bool = True
+
+    @lnn.compact
+    def __call__(self, x, *, static=None):
+      count.append(1)
+      y = self.act(lnn.Dense(self.width, use_bias=self.use_bias)(x))
+      y = y * self.scale
+      if self.is_mutable_collection('stats'):
+        total = self.variable('stats', 'total', jnp.zeros, ())
+        total.value += y.sum()
+      return y if static is None else y + static
+
+  return lnn.jit(Net, static_argnames=('static',))
+
+
+def test_cached_call_retraces_on_config_variables_mutability_and_statics():
+  count = []
+  net_cls = _traced_model(count)
+  variables = net_cls().init(KEY, X)
+
+  def traces(module, v, x, **kwargs):
+    before = len(count)
+    out = module.apply(v, x, **kwargs)
+    return len(count) - before, out
+
+  assert traces(net_cls(), variables, X)[0] == 1
+  assert traces(net_cls(), variables, X)[0] == 0  # hit
+  # Configuration: numbers, floats, functions, bools.
+  assert traces(net_cls(scale=2.0), variables, X)[0] == 1
+  assert traces(net_cls(act=jnp.sin), variables, X)[0] == 1
+  assert traces(net_cls(act=jnp.sin), variables, X)[0] == 0
+  # Variable structure, shapes and dtypes.
+  no_bias = net_cls(use_bias=False).init(KEY, X)
+  assert traces(net_cls(use_bias=False), no_bias, X)[0] == 1
+  wider = net_cls(width=5).init(KEY, X)
+  assert traces(net_cls(width=5), wider, X)[0] == 1
+  as_f16 = jax.tree_util.tree_map(lambda a: a.astype(jnp.float16),
+                                  variables)
+  n, y = traces(net_cls(), as_f16, X)
+  assert n == 1 and y.dtype == jnp.float32  # promoted by the f32 input
+  assert traces(net_cls(), variables, X[:1])[0] == 1  # input shape
+  # The mutable set: a new entry, and the collection really is written.
+  params = {'params': variables['params']}
+  n, (_, state) = traces(net_cls(), params, X, mutable=['stats'])
+  assert n == 1 and float(state['stats']['total']) != 0.0
+  n, (_, again) = traces(net_cls(), {**params, **state}, X,
+                         mutable=['stats'])
+  assert n == 1  # the stats now exist: another variable structure
+  assert float(again['stats']['total']) == 2 * float(state['stats']['total'])
+  # Static arguments.
+  assert traces(net_cls(), variables, X, static=1.0)[0] == 1
+  assert traces(net_cls(), variables, X, static=1.0)[0] == 0
+  assert traces(net_cls(), variables, X, static=2.0)[0] == 1
+  # And back to the first configuration: still cached.
+  assert traces(net_cls(), variables, X)[0] == 0
+
+
+def test_cached_call_sees_submodule_fields_and_module_arguments():
+  """Fields that hold modules (and modules passed as arguments) are not
+  scalars: the key still follows their configuration."""
+  count = []
+
+  class Inner(lnn.Module):
+    features: int
+
+    @lnn.compact
+    def __call__(self, x):
+      return lnn.Dense(self.features)(x)
+
+  class Outer(lnn.Module):
+    inner: lnn.Module
+
+    @lnn.compact
+    def __call__(self, x):
+      count.append(1)
+      return self.inner(x)
+
+  jouter = lnn.jit(Outer)
+  v2 = jouter(Inner(2)).init(KEY, X)
+  v3 = jouter(Inner(3)).init(KEY, X)
+  count.clear()
+  assert jouter(Inner(2)).apply(v2, X).shape == (2, 2)
+  assert jouter(Inner(3)).apply(v3, X).shape == (2, 3)
+  assert len(count) == 2
+  jouter(Inner(2)).apply(v2, X)
+  assert len(count) == 2
+
+
+def test_bounded_cache_keeps_used_entries():
+  from liftmods.core.caching import BoundedCache  # pylint: disable=import-outside-toplevel
+  cache = BoundedCache(3)
+  for i in range(3):
+    cache[i] = str(i)
+  assert cache.get(0) == '0'
+  cache[3] = '3'  # 1 is the oldest entry not used since: evicted
+  assert sorted(cache) == [0, 2, 3]
+  for i in range(4, 40):
+    cache.get(0)
+    cache[i] = str(i)
+  assert 0 in cache and len(cache) == 3
+  assert cache.get('missing', 'default') == 'default'
+  with pytest.raises(KeyError):
+    cache['missing']  # pylint: disable=pointless-statement

@@ -11,7 +11,7 @@ import pytest
 
 import liftmods as lnn
 import treecheck
-from liftmods.core import lift
+from liftmods.core.rng_counters import RngReplay
 
 
 def build(nn):
@@ -56,21 +56,21 @@ def run(nn, train_flags):
 @pytest.mark.parametrize('flags', [(True, True, True), (False, True, False),
                                    (True, False, True)])
 def test_repeated_inits_match_flax(flags):
-  lift._RngReplay._cache.clear()
+  RngReplay.cache.clear()
   for ours, theirs in zip(run(lnn, flags), run(fnn, flags)):
     assert_identical(ours, theirs)
 
 
 def test_replay_is_used_and_verified(monkeypatch):
-  lift._RngReplay._cache.clear()
+  RngReplay.cache.clear()
   traces = []
-  real = lift._RngReplay.verify
+  real = RngReplay.verify
 
   def counting_verify(self):
     traces.append(self.key)
     return real(self)
 
-  monkeypatch.setattr(lift._RngReplay, 'verify', counting_verify)
+  monkeypatch.setattr(RngReplay, 'verify', counting_verify)
   run(lnn, (True,))
   assert not traces  # first trace of the site: two traces, no replay
   run(lnn, (True,))
@@ -78,12 +78,12 @@ def test_replay_is_used_and_verified(monkeypatch):
 
 
 def test_mismatch_falls_back_to_two_traces(monkeypatch):
-  lift._RngReplay._cache.clear()
+  RngReplay.cache.clear()
   net = build(lnn)()
   net.init(RNGS, X, True)
-  key = next(iter(lift._RngReplay._cache))
-  first, final = lift._RngReplay._cache[key]
-  lift._RngReplay._cache[key] = (first, ())  # a recorded effect that lies
+  key = next(iter(RngReplay.cache))
+  first, final = RngReplay.cache[key]
+  RngReplay.cache[key] = (first, ())  # a recorded effect that lies
   ours = net.init_with_output(RNGS, X, True)
   assert_identical(ours, build(fnn)().init_with_output(RNGS, X, True))
-  assert lift._RngReplay._cache[key][1] == final  # re-recorded truthfully
+  assert RngReplay.cache[key][1] == final  # re-recorded truthfully

@@ -15,7 +15,7 @@ import pytest
 import liftmods as lnn
 from liftmods import errors
 from liftmods import stack as stack_lib
-from liftmods.core import lift as lift_core
+from liftmods.core.rng_counters import RngReplay
 from liftmods.stack import StackOffloadWarning
 from treecheck import assert_close, assert_identical
 
@@ -437,7 +437,7 @@ def _counting_apply(draws):
 
 
 def test_repeated_trace_traces_each_layer_once_with_the_same_keys():
-  lift_core._RngReplay._cache.clear()  # pylint: disable=protected-access
+  RngReplay.cache.clear()
   first, calls_first = _counting_apply(1)
   again, calls_again = _counting_apply(1)
   assert (calls_first, calls_again) == (2, 1)  # abstract + loop, then loop
@@ -445,7 +445,7 @@ def test_repeated_trace_traces_each_layer_once_with_the_same_keys():
   # The block now draws differently: the recorded counters no longer fit,
   # so the trace starts over and gives what a fresh trace gives.
   changed, calls_changed = _counting_apply(2)
-  lift_core._RngReplay._cache.clear()  # pylint: disable=protected-access
+  RngReplay.cache.clear()
   fresh, _ = _counting_apply(2)
   assert calls_changed >= 2
   np.testing.assert_array_equal(changed, fresh)
