@@ -91,6 +91,11 @@ def disable_named_call():
   _use_named_call = False
 
 
+def named_call_enabled() -> bool:
+  """Whether module method calls are wrapped in ``jax.named_scope`` now."""
+  return _use_named_call
+
+
 class override_named_call:
   """Context manager setting named-call wrapping for its body."""
 

@@ -32,7 +32,7 @@ from liftmods.core import meta
 from liftmods.core.frozen_dict import FrozenDict
 from liftmods.core.scope import Scope, Variable
 from liftmods.module import (Module, active_interceptors, any_nested,
-                             unbound_method, wrap_method)
+                             named_call_enabled, unbound_method, wrap_method)
 from liftmods.traceback_util import api_boundary
 
 
@@ -507,11 +507,10 @@ def custom_vjp(fn, forward_fn, backward_fn, grad_vars='params',
 
 def named_call(class_fn, force=True):
   """Wraps a method so it appears as a named call in profiles."""
-  from liftmods import module as module_lib
 
   @functools.wraps(class_fn)
   def wrapped(self, *args, **kwargs):
-    if (not force and not module_lib._use_named_call) or self._state.in_setup:
+    if (not force and not named_call_enabled()) or self._state.in_setup:
       return class_fn(self, *args, **kwargs)
     name = self.name or type(self).__name__
     fn_name = getattr(class_fn, '__name__', '')
