@@ -28,7 +28,7 @@ venv-tpu: $(TPU_VENV)/.installed
 test-tpu: $(TPU_VENV)/.installed
 	$(TPU_VENV)/bin/python -m pytest tests/tpu
 
-.PHONY: demo demo-spirals test bench docs clean venv-tpu test-tpu
+.PHONY: demo demo-spirals test test-integration bench docs clean venv-tpu test-tpu
 demo: $(STAMP)
 	$(VENV)/bin/python -m examples.lm
 
@@ -36,7 +36,11 @@ demo-spirals: $(STAMP)
 	$(VENV)/bin/python -m examples.demo
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -n 2 --dist worksteal tests
+	$(VENV)/bin/python -m pytest -n 2 --dist worksteal -m 'not integration' tests
+
+# End-to-end runs kept out of the ten-minute suite; CI runs both.
+test-integration: $(STAMP)
+	$(VENV)/bin/python -m pytest -n 2 --dist worksteal -m integration tests
 
 # The docs site (mkdocs-material + mkdocstrings) into site/; warnings fail.
 docs: $(DOCS_STAMP)

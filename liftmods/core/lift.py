@@ -1,13 +1,9 @@
 """Lifted transforms: JAX transforms applied to functions of scopes.
 
 A scope function ``fn(scope, *args)`` reads and writes variables through its
-scope, so it is not a pure function and cannot be handed to ``jax.vmap`` or
-``jax.lax.scan`` directly. ``pack`` turns it into one: it pulls the variables
-and PRNG keys of the scope(s) out into plain pytrees ("groups"), lets the
-transform carry those groups across the JAX boundary, rebuilds scopes on the
-inside (``scope_fn``), collects what the inside wrote (``repack_fn``) and
-writes the mutable part back into the outer scopes. Every transform below is
-a short function over ``pack``.
+scope, so it cannot be handed to a JAX transform as it is; ``pack``
+(``core.pack``) carries its variables and keys across the boundary as plain
+pytrees, and every transform below is a short function over it.
 
 Variable groups are tuples (one entry per collection filter) of tuples (one
 entry per distinct outer scope) of ``{collection: variables}`` dicts. RNG

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip('transformers')
+pytestmark = pytest.mark.integration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 # BERT runs once, with gradient checkpointing on, which exercises both the

@@ -118,6 +118,7 @@ def test_generate_is_deterministic_and_keeps_prompt():
     generate(model, params, data.encode('x' * 16), 16, jax.random.key(3))
 
 
+@pytest.mark.integration
 def test_eight_devices_train_like_one(straight, tmp_path):
   """``python -m examples.lm --devices=8`` (sharded init, sharded step on a
   4x2 mesh of simulated CPU devices) follows the one-device run."""

@@ -101,6 +101,7 @@ def assert_same_run(got, want, upto=None):
       np.testing.assert_allclose(v, want_params[k], atol=5e-3, err_msg=k)
 
 
+@pytest.mark.integration
 def test_two_by_four_trains_like_one_by_eight_and_restores_elsewhere(
     one_by_eight, tmp_path):
   first = tmp_path / 'two_by_four'
