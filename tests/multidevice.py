@@ -12,8 +12,10 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def assert_cases_pass(cases: pathlib.Path, devices: int = 8):
-  """Runs pytest on ``cases``; fails with its output unless all pass."""
+def assert_cases_pass(cases: pathlib.Path, devices: int = 8,
+                      marks: str = ''):
+  """Runs pytest on ``cases`` (only those ``marks`` selects, a ``-m``
+  expression, when given); fails with its output unless all pass."""
   env = dict(os.environ)
   env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') +
                       f' --xla_force_host_platform_device_count={devices}')
@@ -24,7 +26,8 @@ def assert_cases_pass(cases: pathlib.Path, devices: int = 8):
   env.pop('PYTEST_XDIST_WORKER', None)
   proc = subprocess.run(
       [sys.executable, '-m', 'pytest', str(cases), '-o', 'addopts=', '-q',
-       '-p', 'no:cacheprovider', '-p', 'no:xdist', '-rs'],
+       '-p', 'no:cacheprovider', '-p', 'no:xdist', '-rs'] +
+      (['-m', marks] if marks else []),
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   output = proc.stdout + proc.stderr
   assert proc.returncode == 0, output[-6000:]

@@ -138,15 +138,18 @@ def reference(length, variables, x):
 
 
 # stages, microbatches, repeats, data-axis size, policy
+# The first four cover S in {2, 4}, R in {1, 2}, a data axis and a policy;
+# the rest run with the integration tests (make test-integration).
+_MORE = pytest.mark.integration
 MATRIX = [
     (2, 2, 1, 1, None),
     (2, 4, 1, 4, 'full'),
-    (2, 2, 2, 4, None),
-    (2, 4, 2, 1, 'full'),
     (4, 4, 1, 2, None),
-    (4, 8, 1, 1, 'full'),
     (4, 4, 2, 1, None),
-    (4, 8, 2, 2, 'full'),
+    pytest.param(2, 2, 2, 4, None, marks=_MORE),
+    pytest.param(2, 4, 2, 1, 'full', marks=_MORE),
+    pytest.param(4, 8, 1, 1, 'full', marks=_MORE),
+    pytest.param(4, 8, 2, 2, 'full', marks=_MORE),
 ]
 
 
@@ -386,6 +389,7 @@ def test_errors_name_the_problem():
     stack.apply(v, x, method='scan')
 
 
+@pytest.mark.integration
 def test_lm_train_step_pipelined_over_four_stages():
   from examples.lm import model as lm  # pylint: disable=g-import-not-at-top
   config = lm.Config(max_len=8, num_layers=4, num_heads=2, d_model=16,
