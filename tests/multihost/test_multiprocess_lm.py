@@ -14,11 +14,13 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from examples.lm.model import TransformerLM
 from examples.lm.train import init_state, make_optimizer
+import liftmods as nn
 from liftmods.testing import multiprocess
 from tests.multihost.sharded_init_program import TINY
 from examples.lm.train import TrainConfig
@@ -74,6 +76,26 @@ def test_sharded_init_on_two_processes_equals_one_process(tmp_path):
   assert msg is not None and 'sharded across 2 processes' in msg
   assert msg.startswith('blocks/') or msg.startswith('embed')
   assert 'orbax.checkpoint' in msg and 'process_allgather' in msg
+  # The state tools move the global arrays without a fetch.
+  assert report['state_same_leaves'] and report['state_merge_paths']
+  want_blocks = nn.state.select(want['params'], 'blocks')
+  assert report['state_mask_true'] == len(nn.state.paths(want_blocks))
+  assert report['state_kernels'] == len(nn.state.paths(nn.state.select(
+      want['params'], nn.state.PathRegex('.*kernel'))))
+  # tabulate under the two-process mesh: the one-process rows, and the
+  # per-device bytes of the sharded parameters.
+  table = TransformerLM(TINY).tabulate(
+      jax.random.key(0), jnp.zeros((2, TINY.max_len), jnp.int32),
+      console_kwargs={'width': 200})
+  n_params = sum(v.size for _, v in flat)
+  total = (f'Total Parameters: {n_params:,} ({report["total_bytes"] / 1e3:.1f}'
+           f' KB, {report["device_bytes"] / 1e3:.1f} KB per device)')
+  assert total in report['tabulate'], report['tabulate'][-400:]
+  for line in table.splitlines()[3:-4]:
+    first = line.split('│')[1:3]  # path and module columns of each row
+    assert not first or any(
+        [c.strip() for c in other.split('│')[1:3]] == [c.strip() for c in first]
+        for other in report['tabulate'].splitlines()), line
 
 
 @pytest.fixture(scope='module')
