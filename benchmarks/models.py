@@ -26,8 +26,15 @@ Models:
   seq2seq  an LSTM encoder-decoder (``nn.RNN`` over ``OptimizedLSTMCell``)
            learning to reverse sequences.
 
+With ``--topology`` (``benchmarks/aot.py``) nothing is timed: each model's
+train step, built with each library, is compiled for that TPU slice with the
+batch split over all chips (mesh ``{'data': -1}``), the training state
+replicated and donated, and the per-device ``aot`` rows of liftmods and
+flax.linen are printed side by side (``--mode`` does not apply).
+
   python -m benchmarks.models --model=lm,resnet,seq2seq \
       --mode=trace,lower,compile,step --repeats=7
+  python -m benchmarks.models --topology=v5e:2x2
 """
 import functools
 import gc
@@ -45,6 +52,7 @@ import numpy as np
 import optax
 
 import liftmods as lnn
+from benchmarks import aot
 
 MODELS = ('lm', 'resnet', 'seq2seq')
 MODES = ('trace', 'lower', 'compile', 'step', 'forward')
@@ -290,10 +298,59 @@ def fmt(seconds):
   return (f'{seconds * 1e3:.2f} ms' if seconds < 1 else f'{seconds:.2f} s')
 
 
+# --- compiled for a TPU slice (--topology) ----------------------------------
+
+def topology_mesh():
+  """All chips of ``--topology`` on one ``data`` axis (no TPU needed;
+  LibtpuMissingError without libtpu)."""
+  return aot.topology_mesh(F.topology, {'data': -1})
+
+
+def compile_step(model, name, nn, mesh):
+  """``model``'s train step built with ``nn``, compiled for ``mesh``'s
+  slice: the batch split over ``data``, the state replicated and donated."""
+  step, state, batch, _ = BUILDERS[model](nn)
+  state = aot.abstract(state, jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec()))
+  batch = aot.abstract(batch, jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec('data')))
+
+  def lower():
+    # Under the slice's mesh, so that nn.Stack sees the TPU as its target.
+    with jax.set_mesh(mesh):
+      return jax.jit(step, donate_argnums=0).lower(state, batch)
+
+  report, _ = aot.compile_report(f'{model} {name}', lower)
+  print(aot.table_row(report), flush=True)
+  return report
+
+
+def aot_main():
+  mesh = topology_mesh()  # before any model is built: libtpu's settings
+  print(f'topology={F.topology}, batch split over {mesh.size} chips, state '
+        f'replicated; train steps compiled, not run; jax {jax.__version__}',
+        flush=True)
+  reports = {(model, name): compile_step(model, name, nn, mesh)
+             for model in F.model for name, nn in IMPLS}
+  aot.print_table(f'Train steps compiled for {F.topology}', reports.values())
+  gflop = lambda r: 'n/a' if r.flops is None else f'{r.flops / 1e9:,.1f}'
+  print('\nliftmods vs flax.linen, per device')
+  for model in F.model:
+    a, b = reports[model, 'liftmods'], reports[model, 'flax.linen']
+    if a.fits and b.fits:
+      print(f'  {model:<8} argument bytes equal: {a.argument == b.argument}; '
+            f'temp {a.temp / aot.MIB:,.1f} vs {b.temp / aot.MIB:,.1f} MiB; '
+            f'GFLOP {gflop(a)} vs {gflop(b)}')
+  return reports
+
+
 def main(_):
   for m in F.model:
     if m not in MODELS:
       raise app.UsageError(f'--model={m}: expected one of {MODELS}')
+  if F.topology:
+    aot_main()
+    return
   for m in F.mode:
     if m not in MODES:
       raise app.UsageError(f'--mode={m}: expected one of {MODES}')

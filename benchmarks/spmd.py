@@ -19,8 +19,17 @@ On CPU the mesh's devices are simulated: the binary sets
 ``--xla_force_host_platform_device_count`` (from ``--mesh``) before JAX is
 imported. On GPU/TPU the mesh must fit the real devices.
 
+With ``--topology`` (``benchmarks/aot.py``) nothing runs: the mesh is laid
+over the abstract devices of that TPU slice (one ``--mesh`` size may be -1,
+the rest of the chips), both libraries' shardings are computed from shapes
+alone, and each library's sharded init and train step are compiled for the
+slice; the binary prints their per-device ``aot`` rows side by side, the
+parameter and optimizer bytes per device the shardings give, and whether the
+two optimised train-step programs are identical.
+
   python -m benchmarks.spmd --mesh=data:2,fsdp:2,tensor:2 --layers=4 \
       --hidden=256
+  python -m benchmarks.spmd --topology=v5e:2x2 --mesh=data:-1,fsdp:2,tensor:2
 """
 import math
 import os
@@ -36,7 +45,9 @@ def _mesh_from_argv(argv) -> int:
       spec = argv[i + 1]
     else:
       continue
-    return math.prod(int(p.split(':')[1]) for p in spec.split(','))
+    # A size of -1 (the rest of a --topology slice) counts as 1 here.
+    return max(1, math.prod(max(1, int(p.split(':')[1]))
+                            for p in spec.split(',')))
   return 8
 
 
@@ -58,10 +69,12 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import liftmods as lnn
+from benchmarks import aot
 from benchmarks import spmd_model
 
 flags.DEFINE_string('mesh', 'data:2,fsdp:2,tensor:2',
-                    'mesh axes as name:size,... (data, fsdp, tensor)')
+                    'mesh axes as name:size,... (data, fsdp, tensor); with '
+                    '--topology one size may be -1 (the remaining chips)')
 flags.DEFINE_integer('layers', 4, 'scanned decoder layers')
 flags.DEFINE_integer('hidden', 256, 'embedding width (heads * head_dim)')
 flags.DEFINE_integer('heads', 4, 'attention heads')
@@ -74,11 +87,21 @@ flags.DEFINE_string('dump_hlo', '', 'write both optimised train-step HLOs here')
 F = flags.FLAGS
 
 
+def mesh_axes() -> dict:
+  """``--mesh`` as ``{name: size}``."""
+  return {n: int(s) for n, s in (p.split(':') for p in F.mesh.split(','))}
+
+
 def make_mesh():
-  axes = [p.split(':') for p in F.mesh.split(',')]
-  names = tuple(n for n, _ in axes)
-  shape = tuple(int(s) for _, s in axes)
-  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(axes))
+  axes = mesh_axes()
+  return jax.make_mesh(tuple(axes.values()), tuple(axes),
+                       axis_types=(AxisType.Auto,) * len(axes))
+
+
+def topology_mesh():
+  """The ``--mesh`` axes over the chips of ``--topology`` (no TPU needed;
+  LibtpuMissingError without libtpu)."""
+  return aot.topology_mesh(F.topology, mesh_axes())
 
 
 def train_step(model, tx):
@@ -190,7 +213,90 @@ def _mb(n):
   return f'{n / 2**20:,.3f} MiB'
 
 
+# --- compiled for a TPU slice (--topology) ----------------------------------
+
+def shard_bytes(tree) -> int:
+  """Bytes of ``tree`` (ShapeDtypeStructs with shardings) on one device."""
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+             for x in jax.tree.leaves(tree))
+
+
+def abstract_init(lib, model, mesh, key, tokens):
+  """``(params, param shardings, lower)`` of ``lib``'s sharded init from
+  shapes alone: ``params`` are ShapeDtypeStructs carrying their shardings,
+  ``lower()`` lowers the init as the CPU path runs it."""
+  if lib is lnn:
+    init = lnn.init_sharded(model, mesh, spmd_model.RULES)
+    lowered, shardings = init.lower(key, tokens)
+    params = lowered.out_info['params']
+    p_sh = shardings['params']
+    return (aot.abstract(params, p_sh), p_sh,
+            lambda: init.lower(key, tokens)[0])
+  boxed = jax.eval_shape(model.init, key, tokens)
+  shardings = fnn.logical_to_mesh_sharding(
+      fnn.get_partition_spec(boxed), mesh, spmd_model.RULES)
+  p_sh = fnn.unbox(shardings)['params']
+  init = jax.jit(model.init, out_shardings=shardings)
+  return (aot.abstract(fnn.unbox(boxed)['params'], p_sh), p_sh,
+          lambda: init.lower(key, tokens))
+
+
+def compile_library(name, lib, mesh):
+  """The sharded init and train step of ``lib`` compiled for the slice of
+  ``mesh``: ``dict(init=Report, step=Report, params=..., opt_state=...,
+  program=optimised step HLO or None)``."""
+  model = spmd_model.decoder(lib, cfg())
+  tx = optax.adamw(1e-3)
+  replicated = NamedSharding(mesh, P())
+  key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated)
+  tokens = jax.ShapeDtypeStruct((F.batch, F.seq + 1), jnp.int32,
+                                sharding=replicated)
+  batch_axes = tuple(a for a in ('data', 'fsdp') if a in mesh.shape)
+  batch = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype,
+                               sharding=NamedSharding(mesh, P(batch_axes)))
+  params, p_sh, lower_init = abstract_init(lib, model, mesh, key, tokens)
+  o_sh = opt_shardings(tx, params, p_sh, mesh)
+  opt_state = aot.abstract(jax.eval_shape(tx.init, params), o_sh)
+  step = jax.jit(train_step(model, tx),
+                 in_shardings=(p_sh, o_sh, batch.sharding),
+                 out_shardings=(p_sh, o_sh, replicated))
+  init_report, _ = aot.compile_report(f'{name} sharded init', lower_init)
+  print(aot.table_row(init_report), flush=True)
+  step_report, compiled = aot.compile_report(
+      f'{name} train step', lambda: step.lower(params, opt_state, batch))
+  print(aot.table_row(step_report), flush=True)
+  return dict(init=init_report, step=step_report, params=params,
+              opt_state=opt_state,
+              program=_program(compiled) if compiled is not None else None)
+
+
+def aot_main():
+  mesh = topology_mesh()
+  print(f'topology={F.topology}, mesh {dict(mesh.shape)}; decoder '
+        f'layers={F.layers} hidden={F.hidden} heads={F.heads} '
+        f'vocab={F.vocab}, batch={F.batch}x{F.seq}; compiled, not run; '
+        f'jax {jax.__version__}', flush=True)
+  results = {name: compile_library(name, lib, mesh)
+             for name, lib in (('liftmods', lnn), ('flax.linen', fnn))}
+  aot.print_table(
+      f'Sharded init and AdamW train step compiled for {F.topology}',
+      [r[k] for k in ('init', 'step') for r in results.values()])
+  print('\nper device, from the shardings')
+  for name, r in results.items():
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(r['params']))
+    params, opt = shard_bytes(r['params']), shard_bytes(r['opt_state'])
+    print(f'  {name:<11} params {_mb(params)} of {_mb(total)} (split over '
+          f'{total / params:.2f} chips on average), opt state {_mb(opt)}')
+  ours, theirs = results.values()
+  same = ours['program'] is not None and ours['program'] == theirs['program']
+  print(f'  optimised HLO of the two train steps identical: {same}')
+  return results
+
+
 def main(_):
+  if F.topology:
+    aot_main()
+    return
   mesh = make_mesh()
   key = jax.random.key(0)
   tokens = jax.random.randint(jax.random.key(1), (F.batch, F.seq + 1), 0,
