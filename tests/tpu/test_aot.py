@@ -3,7 +3,6 @@
 The compile tests need libtpu (``pip install -e '.[tpu]'``) and skip without
 it; the offload decision and the error parsing need nothing.
 """
-import os
 import subprocess
 import sys
 import warnings
@@ -19,13 +18,7 @@ import liftmods as lnn
 from benchmarks import aot
 from liftmods import stack as stack_lib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
-
-needs_libtpu = pytest.mark.skipif(
-    not aot.libtpu_available(),
-    reason='libtpu is not installed (pip install -e ".[tpu]"): nothing can '
-    'be compiled for a TPU slice')
+from tests.tpu.marks import ROOT, needs_libtpu
 
 
 def abstract_mesh(platform):

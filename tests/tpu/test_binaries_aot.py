@@ -5,7 +5,6 @@ binaries define absl flags with the same names (``batch``, ``layers``,
 ``repeats``, ...), so two of them cannot be imported into one process.
 """
 import json
-import os
 import subprocess
 import sys
 
@@ -13,13 +12,7 @@ import pytest
 
 from benchmarks import aot
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
-
-needs_libtpu = pytest.mark.skipif(
-    not aot.libtpu_available(),
-    reason='libtpu is not installed (pip install -e ".[tpu]"): nothing can '
-    'be compiled for a TPU slice')
+from tests.tpu.marks import ROOT, needs_libtpu
 
 
 def run_python(script, *args):
