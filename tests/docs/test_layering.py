@@ -14,6 +14,7 @@ and the ranks below. The tests here fail on
   ``x._y`` on an imported liftmods module.
 """
 import ast
+import functools
 import pathlib
 import re
 
@@ -70,11 +71,16 @@ def is_module(dotted):
   return path.with_suffix('.py').exists() or path.is_dir()
 
 
+@functools.lru_cache(maxsize=None)
+def parse(path):
+  return ast.parse(path.read_text())
+
+
 def imports(path):
   """(target module, imported name or None, line) for every liftmods import,
   plus the liftmods modules bound to local names (for ``x._y`` checks)."""
   found, bound = [], {}
-  for node in ast.walk(ast.parse(path.read_text())):
+  for node in ast.walk(parse(path)):
     if isinstance(node, ast.ImportFrom) and node.level == 0 and (
         node.module or '').split('.')[0] == 'liftmods':
       for alias in node.names:
@@ -128,7 +134,7 @@ def test_no_private_name_crosses_modules():
       if imported and imported.startswith('_') and target != name:
         crossings.append(f'{path.relative_to(ROOT)}:{line} imports '
                          f'{imported} from {target}')
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse(path)):
       if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
           and node.value.id in bound and node.attr.startswith('_')
           and not node.attr.startswith('__')):

@@ -370,3 +370,31 @@ def test_bounded_cache_keeps_used_entries():
   assert cache.get('missing', 'default') == 'default'
   with pytest.raises(KeyError):
     cache['missing']  # pylint: disable=pointless-statement
+
+
+def test_one_pass_key_equals_the_general_fingerprint():
+  """nn.jit's one-pass path (fields that are numbers, strings, bools, None
+  or functions; no module among the arguments) builds the same cache key
+  as the general fingerprint, so both paths share compiled entries."""
+  from liftmods import transforms  # pylint: disable=g-import-not-at-top
+
+  class Leafy(lnn.Module):
+    features: int = 3
+    scale: float = 0.5
+    tag: str = 'a'
+    act: Any = jax.nn.relu
+    flag: bool = True
+    extra: Any = None
+
+    @lnn.compact
+    def __call__(self, x):
+      return self.act(lnn.Dense(self.features)(x)) * self.scale
+
+  x = jnp.ones((1, 2))
+  variables = Leafy().init(jax.random.key(0), x)
+  bound = Leafy(name='named').bind(variables)
+  scopes, args, _, key = transforms._scopes_and_key(bound, (x,), {})
+  assert scopes == [bound.scope] and args == (x,)
+  assert key.key == transforms._ModuleKey(bound).key
+  assert key.key != transforms._ModuleKey(
+      Leafy(scale=0.25).bind(variables)).key
