@@ -129,9 +129,10 @@ def test_two_by_four_trains_like_one_by_eight_and_restores_elsewhere(
   first = tmp_path / 'two_by_four'
   runs = lm(first, 2, '--stop_at=4')
   assert "over 8 cpu devices in 2 process(es)" in runs[0].stdout
-  # only process 0 reports (gloo itself prints its connections)
+  # only process 0 reports; gloo prints its connections from several threads,
+  # so its lines can arrive cut and interleaved
   assert [l for l in runs[1].stdout.splitlines()
-          if not l.startswith('[Gloo]')] == []
+          if l.strip() and 'Gloo' not in l and 'peer ranks' not in l] == []
   assert_same_run((outcome(first)[0], None), one_by_eight, upto=4)
   for processes in (1, 4):  # the 2 x 4 checkpoint on 1 x 8, then 4 x 2
     workdir = tmp_path / f'resumed_{processes}'
