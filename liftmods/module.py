@@ -334,6 +334,9 @@ def capture_call_intermediates(module, method_name):
   return method_name == '__call__'
 
 
+DECLINED = object()  # what a ``Module._fast_apply`` returns to decline
+
+
 class Module:
   """Base class of all modules; see the module docstring."""
 
@@ -342,6 +345,10 @@ class Module:
   _init_field_names: tuple = ()
   _setup_overridden = False
   _compact_name_scope_methods: tuple = ()
+  # A plain ``apply`` (``__call__``, no rngs, nothing mutable, no capture)
+  # hands off to this when a class sets it: ``nn.jit`` does, to skip the
+  # scope round trip on every call. It returns ``DECLINED`` to run as usual.
+  _fast_apply: Callable | None = None
 
   def __init_subclass__(cls, kw_only: bool = False, **kwargs):
     super().__init_subclass__(**kwargs)
@@ -777,6 +784,11 @@ class Module:
     """Runs ``method`` (default ``__call__``) with ``variables``; returns the
     output, or ``(output, mutated_collections)`` when ``mutable``."""
     Module._module_checks(self)
+    if (self._fast_apply is not None and method is None and rngs is None
+        and mutable is False and capture_intermediates is False):
+      y = self._fast_apply(variables, args, kwargs)
+      if y is not DECLINED:
+        return y
     if rngs is not None:
       _check_key(self, rngs)
     fn = self._resolve_method(method)

@@ -31,7 +31,8 @@ from liftmods.core import lift
 from liftmods.core import meta
 from liftmods.core.frozen_dict import FrozenDict
 from liftmods.core.scope import Scope, Variable
-from liftmods.module import (Module, active_interceptors, any_nested,
+from liftmods import call_context
+from liftmods.module import (DECLINED, Module, active_interceptors, any_nested,
                              named_call_enabled, unbound_method, wrap_method)
 from liftmods.traceback_util import api_boundary
 
@@ -620,11 +621,10 @@ _KEY_LEAF_TYPES = frozenset((type(None), str, int, float, bool,
                              types.FunctionType))
 
 
-def _scopes_and_key(module: Module, args, kwargs):
-  """``get_module_scopes`` and ``_ModuleKey`` of a bound module, in one pass
-  over its fields when none can hold a module (the usual case: numbers,
-  strings, initializer functions) and the arguments hold none either."""
-  module._try_setup(shallow=True)
+def _leaf_fingerprint(module: Module):
+  """``_fingerprint(module)`` in one pass when every field is its own
+  fingerprint (the usual case: numbers, strings, initializer functions);
+  None when some field could hold a module or a Variable."""
   d = module.__dict__
   fields = []
   for n in module._init_field_names:
@@ -632,15 +632,61 @@ def _scopes_and_key(module: Module, args, kwargs):
       continue
     v = d[n]
     if type(v) not in _KEY_LEAF_TYPES:
-      break
+      return None
     if n != 'name':
       fields.append((n, v))
-  else:
-    if not _needs_walk(args, kwargs):
-      key = _ModuleKey(module, (type(module), tuple(fields)))
-      return [module.scope], args, kwargs or {}, key
+  return (type(module), tuple(fields))
+
+
+def _scopes_and_key(module: Module, args, kwargs):
+  """``get_module_scopes`` and ``_ModuleKey`` of a bound module, in one pass
+  when neither its fields nor the arguments can hold a module."""
+  module._try_setup(shallow=True)
+  fingerprint = _leaf_fingerprint(module)
+  if fingerprint is not None and not _needs_walk(args, kwargs):
+    key = _ModuleKey(module, fingerprint)
+    return [module.scope], args, kwargs or {}, key
   scopes, args, kwargs = get_module_scopes(module, args, kwargs)
   return scopes, args, kwargs, _ModuleKey(module)
+
+
+def _fast_apply_for(cls, trafo_kwargs):
+  """A ``Module._fast_apply`` for ``cls``, a class made by ``nn.jit``.
+
+  A plain ``apply`` of such a class (no rngs, nothing mutable, no capture)
+  traces to the same program as ``apply`` of the class it lifts, so one
+  ``jax.jit`` of that apply serves it, keyed by the module's configuration:
+  a repeated call costs about what ``jax.jit(Model().apply)`` costs. It
+  declines for subclasses of ``cls``, modules whose fields or arguments may
+  hold modules, and inside another module's call, a recording or a capture.
+  """
+  shift = lambda nums: tuple(i + 1 for i in (
+      (nums,) if isinstance(nums, int) else nums) if i > 0)
+  extra = {k: trafo_kwargs[k] for k in ('device', 'backend')
+           if trafo_kwargs.get(k) is not None}
+
+  def run(module_key, variables, *args, **kwargs):
+    # method='__call__' is what method=None means, minus this fast path.
+    return module_key.module.clone(parent=None).apply(
+        variables, *args, method='__call__', **kwargs)
+
+  jitted = jax.jit(
+      run, static_argnums=(0,) + shift(trafo_kwargs.get('static_argnums', ())),
+      static_argnames=trafo_kwargs.get('static_argnames', ()),
+      donate_argnums=shift(trafo_kwargs.get('donate_argnums', ())), **extra)
+  calls = call_context.calls
+
+  def fast_apply(module, variables, args, kwargs):
+    if (type(module) is not cls or type(variables) not in (dict, FrozenDict)
+        or calls.module_stack[-1] is not None or calls.capture_stack
+        or calls.recording is not None):
+      return DECLINED
+    fingerprint = _leaf_fingerprint(module)
+    if fingerprint is None or _needs_walk(args, kwargs):
+      return DECLINED
+    return jitted(_ModuleKey(module, fingerprint), variables, *args, **kwargs)
+
+  return fast_apply
 
 
 def _unbound_jit(fn, trafo_kwargs):
@@ -748,6 +794,9 @@ def _jit_like(target, methods, kwargs, prefix, transform):
       lifted[fn_name] = functools.wraps(fn)(
           _jit_lift(fn, fn_name, target, t_kwargs, transform))
     new_cls = type(prefix + target.__name__, (target,), lifted)
+    if transform is lift.jit and '__call__' in lifted:
+      new_cls._fast_apply = _fast_apply_for(
+          new_cls, _method_args(methods, (), kwargs)['__call__'][1])
     if partial is not None:
       return functools.partial(new_cls, *partial.args, **partial.keywords)
     return new_cls

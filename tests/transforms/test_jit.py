@@ -163,3 +163,110 @@ def test_jit_then_vmap():
                    split_rngs={'params': True})(2)
 
   check(build, (X4,))
+
+
+def _scope_runs(monkeypatch):
+  """Counts how many times ``Module.apply`` builds a root scope."""
+  from liftmods.core import scope as scope_lib
+  runs = []
+  real = scope_lib.run
+
+  def counting(*args, **kwargs):
+    runs.append(1)
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(scope_lib, 'run', counting)
+  return runs
+
+
+def test_jit_plain_apply_skips_the_scope_round_trip(monkeypatch):
+  """A repeated plain apply of an nn.jit class is one jax.jit call: no root
+  scope, no trace, and the same values as jax.jit of the unlifted apply."""
+  counter = []
+  model = lnn.jit(_counting(lnn, counter))()
+  v = model.init(jax.random.key(0), X4)
+  want = jax.jit(_counting(lnn, [])().apply)(v, X4)
+  runs = _scope_runs(monkeypatch)
+  counter.clear()
+  first = model.apply(v, X4)
+  assert (len(counter), len(runs)) == (1, 1)  # the trace runs apply once
+  again = model.apply(v, X4 + 0.0)
+  assert (len(counter), len(runs)) == (1, 1)
+  np.testing.assert_array_equal(first, want)
+  np.testing.assert_array_equal(again, want)
+  model.apply(v, jnp.ones((5, 3)))  # a new shape traces again
+  assert len(counter) == 2
+
+
+def test_jit_apply_paths_that_need_scopes_still_take_them(monkeypatch):
+  """rngs, mutable collections, capture and method= run the general path
+  and give what nn.fold_rngs (nn.jit's rng handling, uncompiled) gives."""
+  class Net(lnn.Module):
+    @lnn.compact
+    def __call__(self, x, train=False):
+      x = lnn.Dense(3)(x)
+      self.sow('intermediates', 'h', x)
+      return lnn.Dropout(0.5, deterministic=not train)(x)
+
+  jitted = lnn.jit(Net, static_argnums=(2,))()
+  v = jitted.init(jax.random.key(0), X4)
+  runs = _scope_runs(monkeypatch)
+  key = {'dropout': jax.random.key(1)}
+  for kwargs in (dict(rngs=key), dict(mutable=['intermediates']),
+                 dict(capture_intermediates=True), dict(method='__call__')):
+    train = 'rngs' in kwargs
+    got = jitted.apply(v, X4, train, **kwargs)
+    want = lnn.fold_rngs(Net)().apply(v, X4, train, **kwargs)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, got, want)
+  assert len(runs) == 8
+
+
+def test_jit_plain_apply_of_a_subclass_runs_its_own_call():
+  class Doubled(lnn.jit(lnn.Dense)):
+    def __call__(self, x):
+      return 2 * super().__call__(x)
+
+  v = lnn.Dense(2).init(jax.random.key(0), X4)
+  np.testing.assert_array_equal(Doubled(2).apply(v, X4),
+                                2 * lnn.Dense(2).apply(v, X4))
+
+
+def test_jit_plain_apply_keys_on_configuration():
+  """Two configurations never share a trace; a module-valued field takes
+  the general path and still gives the unlifted values."""
+  v3 = lnn.Dense(3).init(jax.random.key(0), X4)
+  jitted = lnn.jit(lnn.Dense)
+  np.testing.assert_array_equal(jitted(3).apply(v3, X4),
+                                lnn.Dense(3).apply(v3, X4))
+  np.testing.assert_array_equal(
+      jitted(3, use_bias=False).apply({'params': {'kernel': v3['params'][
+          'kernel']}}, X4),
+      lnn.Dense(3, use_bias=False).apply(
+          {'params': {'kernel': v3['params']['kernel']}}, X4))
+
+  class Wrap(lnn.Module):
+    inner: lnn.Module
+
+    @lnn.compact
+    def __call__(self, x):
+      return self.inner(x) + 1.0
+
+  v = Wrap(lnn.Dense(3)).init(jax.random.key(0), X4)
+  np.testing.assert_array_equal(lnn.jit(Wrap)(lnn.Dense(3)).apply(v, X4),
+                                Wrap(lnn.Dense(3)).apply(v, X4))
+
+
+def test_jit_plain_apply_static_and_keyword_arguments():
+  class Net(lnn.Module):
+    @lnn.compact
+    def __call__(self, x, n, scale=1.0):
+      for _ in range(n):
+        x = lnn.Dense(3)(x)
+      return x * scale
+
+  jitted = lnn.jit(Net, static_argnums=(2,))()
+  v = jitted.init(jax.random.key(0), X4, 2)
+  np.testing.assert_array_equal(jitted.apply(v, X4, 2, scale=3.0),
+                                Net().apply(v, X4, 2, scale=3.0))
+  with pytest.raises(lnn.errors.ScopeParamNotFoundError):
+    jitted.apply(v, X4, 3)  # a third layer has no parameters
