@@ -52,6 +52,7 @@ class TrainConfig:
   progress: bool = True
   devices: int = 1  # > 1: a ('data', 'model') mesh over that many devices
   save_params: bool = False  # write the final parameters to params.npz
+  step_file: str | None = None  # process 0 writes each finished step here
 
   @property
   def mesh_shape(self) -> tuple[int, int]:
@@ -105,6 +106,18 @@ def on_all_processes(params, mesh):
 def is_lead() -> bool:
   """Process 0 logs, plots, samples and writes the summary."""
   return jax.process_index() == 0
+
+
+def report_step(path: str, step: int, loss) -> None:
+  """Writes ``step`` to ``path`` once ``loss`` (that step's result) is
+  computed: a progress signal for another program (the fault test kills a
+  process when it reads a chosen step). Waiting for the loss makes every
+  step synchronous, so it is off unless ``--step_file`` is given. The
+  file is replaced whole (write, then rename): a reader never sees half."""
+  jax.block_until_ready(loss)
+  tmp = pathlib.Path(f'{path}.tmp')
+  tmp.write_text(str(step))
+  tmp.replace(path)
 
 
 # --- optimizer and steps ---------------------------------------------------
@@ -370,6 +383,8 @@ def train(cfg: TrainConfig, log=print) -> dict:
     state, loss = train_step(state, batch)
     window.append(loss)
     step = i + 1
+    if cfg.step_file and is_lead():
+      report_step(cfg.step_file, step, loss)
     if window_start is None:  # the first step compiles; time from here
       jax.block_until_ready(loss)
       window_start, window = time.perf_counter(), []
