@@ -119,8 +119,12 @@ def assert_same_run(got, want, upto=None):
                              want_history['train'][0][1], rtol=2e-4)
   if params is not None:
     assert sorted(params) == sorted(want_params)
-    for k, v in params.items():  # gloo sums in another order than in-process
-      np.testing.assert_allclose(v, want_params[k], atol=5e-3, err_msg=k)
+    # gloo sums in another order than the in-process all-reduce: measured
+    # 1.2e-7 at most (a unit in the last place of values near 1) after the 8
+    # steps, the attention's key bias (never trained) equal
+    for k, v in params.items():
+      np.testing.assert_allclose(v, want_params[k], rtol=0, atol=1e-6,
+                                 err_msg=k)
 
 
 @pytest.fixture(scope='module')
