@@ -110,6 +110,9 @@ def parse(argv=None) -> TrainConfig:
   add('--no_progress', action='store_true', help='no progress bar')
   add('--save_params', action='store_true',
       help='write the final parameters to params.npz in --workdir')
+  add('--step_file', default=None,
+      help='process 0 writes the number of each finished step to this file '
+      '(waiting for the step: slower), for a program that watches progress')
   a = p.parse_args(argv)
   model = Config(max_len=a.seq_len, num_layers=a.layers, num_heads=a.heads,
                  d_model=a.d_model, dropout_rate=a.dropout)
@@ -122,7 +125,7 @@ def parse(argv=None) -> TrainConfig:
       workdir=a.workdir, resume=a.resume, stop_at=a.stop_at,
       prompt=a.prompt, sample_length=a.sample_length, temperature=a.temperature,
       progress=not a.no_progress, devices=a.devices,
-      save_params=a.save_params)
+      save_params=a.save_params, step_file=a.step_file)
 
 
 def main(argv=None):

@@ -119,39 +119,48 @@ def assert_same_run(got, want, upto=None):
                              want_history['train'][0][1], rtol=2e-4)
   if params is not None:
     assert sorted(params) == sorted(want_params)
-    for k, v in params.items():  # gloo sums in another order than in-process
-      np.testing.assert_allclose(v, want_params[k], atol=5e-3, err_msg=k)
+    # gloo sums in another order than the in-process all-reduce: measured
+    # 1.2e-7 at most (a unit in the last place of values near 1) after the 8
+    # steps, the attention's key bias (never trained) equal
+    for k, v in params.items():
+      np.testing.assert_allclose(v, want_params[k], rtol=0, atol=1e-6,
+                                 err_msg=k)
+
+
+@pytest.fixture(scope='module')
+def two_by_four(tmp_path_factory):
+  """An uninterrupted 2 x 4 run, checkpointed at steps 4 and 8: its
+  ``(workdir, runs)``."""
+  workdir = tmp_path_factory.mktemp('two_by_four')
+  return workdir, lm(workdir, 2)
 
 
 @pytest.mark.integration
 def test_two_by_four_trains_like_one_by_eight_and_restores_elsewhere(
-    one_by_eight, tmp_path):
-  first = tmp_path / 'two_by_four'
-  runs = lm(first, 2, '--stop_at=4')
+    one_by_eight, two_by_four, tmp_path):
+  first, runs = two_by_four
   assert "over 8 cpu devices in 2 process(es)" in runs[0].stdout
   # only process 0 reports; gloo prints its connections from several threads,
   # so its lines can arrive cut and interleaved
   assert [l for l in runs[1].stdout.splitlines()
           if l.strip() and 'Gloo' not in l and 'peer ranks' not in l] == []
-  assert_same_run((outcome(first)[0], None), one_by_eight, upto=4)
-  for processes in (1, 4):  # the 2 x 4 checkpoint on 1 x 8, then 4 x 2
+  assert_same_run(outcome(first), one_by_eight)
+  for processes in (1, 4):  # the 2 x 4 step-4 checkpoint on 1 x 8, then 4 x 2
     workdir = tmp_path / f'resumed_{processes}'
     shutil.copytree(first, workdir)
+    shutil.rmtree(workdir / 'checkpoints' / '8')
     out = lm(workdir, processes, '--resume')
     assert 'resumed from step 4' in out[0].stdout
     assert_same_run(outcome(workdir), one_by_eight)
 
 
-def kill_when(workdir: pathlib.Path, ready, victim: int):
+def kill_when(ready, victim: int):
   """An ``on_start`` hook: SIGKILLs process ``victim`` as soon as
-  ``ready(checkpoint directory entries)`` holds."""
+  ``ready()`` holds (polled every 5 ms)."""
   def hook(procs):
     def watch():
-      directory = workdir / 'checkpoints'
       while procs[victim].poll() is None:
-        names = [p.name for p in directory.iterdir()] if directory.exists() \
-            else []
-        if ready(names):
+        if ready():
           procs[victim].send_signal(signal.SIGKILL)
           return
         time.sleep(0.005)
@@ -159,34 +168,54 @@ def kill_when(workdir: pathlib.Path, ready, victim: int):
   return hook
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get('LIFTMODS_SLOW'),
-                    reason='four 2-process runs (about 220 s CPU): set '
-                    'LIFTMODS_SLOW=1')
-def test_killed_processes_resume_to_the_same_parameters(tmp_path):
-  """SIGKILL one process while a checkpoint is being written, restart all
-  with --resume; SIGKILL one at a random checkpointed step, restart all
-  again; the final parameters equal an uninterrupted run's bit for bit."""
-  every = ['--checkpoint_every=2']
-  straight = tmp_path / 'straight'
-  lm(straight, 2, *every)
+def writing_checkpoint(workdir: pathlib.Path):
+  """True while orbax writes a step (its temporary directory exists)."""
+  directory = workdir / 'checkpoints'
+  return directory.exists() and any('tmp' in p.name
+                                    for p in directory.iterdir())
+
+
+def finished_step(step_file: pathlib.Path) -> int:
+  """The last step the demo reported through ``--step_file`` (0 before)."""
+  try:
+    return int(step_file.read_text() or 0)
+  except FileNotFoundError:
+    return 0
+
+
+@pytest.mark.integration
+def test_killed_processes_resume_to_the_same_parameters(two_by_four,
+                                                        tmp_path):
+  """SIGKILL process 1 while its first checkpoint is being written (orbax
+  saves at step 1 when there is none yet, then every 4 steps); restart both with --resume and SIGKILL process 0 at a random training
+  step between the checkpoints (5, 6 or 7, read from --step_file); restart
+  both again. The final parameters equal the uninterrupted 2 x 4 run's bit
+  for bit, and the last restart resumed from the step-4 checkpoint."""
   workdir = tmp_path / 'faulty'
-  argv = [sys.executable, '-m', 'examples.lm', *FLAGS, *every,
-          f'--workdir={workdir}']
-  step = random.Random(os.getpid()).choice([2, 4, 6])
+  step_file = workdir / 'step'
+  argv = [sys.executable, '-m', 'examples.lm', *FLAGS,
+          f'--workdir={workdir}', f'--step_file={step_file}']
+  seed = random.randrange(2**32)
+  step = random.Random(seed).choice([5, 6, 7])
+  why = f'kill at step {step} (seed {seed})'
   kills = [  # (who, when, extra flags)
-      (1, lambda names: any('tmp' in n for n in names), []),
-      (0, lambda names: str(step) in names, ['--resume']),
+      (1, lambda: writing_checkpoint(workdir), []),
+      (0, lambda: finished_step(step_file) >= step, ['--resume']),
   ]
   for victim, ready, extra in kills:
+    step_file.unlink(missing_ok=True)  # no stale step from the run before
     runs = multiprocess.launch(argv + extra, 2, 4, cwd=ROOT, env=ENV,
                                timeout=300, check=False,
-                               on_start=kill_when(workdir, ready, victim))
-    assert runs[victim].returncode == -signal.SIGKILL
+                               on_start=kill_when(ready, victim))
+    assert runs[victim].returncode == -signal.SIGKILL, (why, runs[victim])
+    assert not (workdir / 'params.npz').exists(), why  # it did not finish
+  # the second run wrote step 4 and was killed before step 8
+  steps = [p.name for p in (workdir / 'checkpoints').iterdir()]
+  assert '4' in steps and '8' not in steps, (why, steps)
   runs = multiprocess.launch(argv + ['--resume'], 2, 4, cwd=ROOT, env=ENV,
                              timeout=300)
-  assert 'resumed from step' in runs[0].stdout
-  got, want = outcome(workdir)[1], outcome(straight)[1]
+  assert 'resumed from step 4' in runs[0].stdout, why
+  got, want = outcome(workdir)[1], outcome(two_by_four[0])[1]
   assert sorted(got) == sorted(want)
   for k, v in want.items():
-    np.testing.assert_array_equal(got[k], v, err_msg=k)
+    np.testing.assert_array_equal(got[k], v, err_msg=f'{k}: {why}')
