@@ -51,3 +51,12 @@ def xla_compilation_cache(tmp_path_factory):
   for k, v in before.items():
     jax.config.update(k, v)
   cc.reset_cache()
+
+
+def pytest_collection_modifyitems(items):
+  """Tests marked ``long`` run first. xdist's work stealing takes tests from
+  the back of a worker's queue, so a minutes-long test collected late can
+  leave the other worker idle at the end; started first, it overlaps with
+  everything else. The sort is stable, so every worker collects the same
+  order (xdist requires it)."""
+  items.sort(key=lambda item: item.get_closest_marker('long') is None)

@@ -38,8 +38,8 @@ def _check(data):
 
 def _shard(n):
   # 8 shards x 25 programs take ~2.5 min on an idle 2-core machine (-n 2);
-  # LIFTMODS_FUZZ=0 skips them for quick local runs. Shards 2-7 run with
-  # the integration tests (make test-integration), 0-1 in make test.
+  # LIFTMODS_FUZZ=0 skips them for quick local runs. Shards 1-7 run with
+  # the integration tests (make test-integration), shard 0 in make test.
   @pytest.mark.skipif(os.environ.get('LIFTMODS_FUZZ') == '0',
                       reason='fuzz shards skipped: LIFTMODS_FUZZ=0')
   @seed(20261123 + n)
@@ -48,7 +48,7 @@ def _shard(n):
   def test(data):
     _check(data)
   test.__name__ = f'test_fuzz_shard_{n}'
-  return pytest.mark.integration(test) if n >= 2 else test
+  return pytest.mark.integration(test) if n >= 1 else pytest.mark.long(test)
 
 
 test_fuzz_shard_0 = _shard(0)

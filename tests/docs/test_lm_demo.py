@@ -93,10 +93,12 @@ def test_cached_decode_matches_full_forward():
   assert cache['blocks']['attn']['cached_key'].shape == (
       cfg.num_layers, 2, cfg.max_len, cfg.num_heads,
       cfg.d_model // cfg.num_heads)
+  # One compiled step (each eager step would compile its own scan).
+  step = jax.jit(lambda cache, token: decoder.apply(
+      {'params': params, 'cache': cache}, token, mutable=['cache']))
   steps = []
   for t in range(cfg.max_len):
-    logits, updated = decoder.apply({'params': params, 'cache': cache},
-                                    tokens[:, t:t + 1], mutable=['cache'])
+    logits, updated = step(cache, tokens[:, t:t + 1])
     cache = updated['cache']
     steps.append(logits)
   np.testing.assert_allclose(jnp.concatenate(steps, 1), full, atol=2e-5,

@@ -10,6 +10,7 @@ from multidevice import assert_cases_pass
 CASES = pathlib.Path(__file__).with_name('pipeline_cases.py')
 
 
+@pytest.mark.long
 def test_pipeline_cases_pass_on_eight_devices():
   assert_cases_pass(CASES, marks='not integration')
 

@@ -2,8 +2,10 @@
 with 8 simulated CPU devices (see tests/multidevice.py)."""
 import pathlib
 
+import pytest
 from multidevice import assert_cases_pass
 
 
+@pytest.mark.long
 def test_spmd_cases_pass_on_eight_devices():
   assert_cases_pass(pathlib.Path(__file__).with_name('spmd_mesh_cases.py'))
