@@ -57,6 +57,7 @@ def test_loss_decreases(straight):
   assert int(straight['state']['step']) == TINY.steps
 
 
+@pytest.mark.integration  # with the other LM runs that need `straight`
 def test_resume_is_bit_identical(straight, tmp_path):
   cfg = dataclasses.replace(TINY, workdir=str(tmp_path), stop_at=8)
   half = train(cfg, log=_quiet)
