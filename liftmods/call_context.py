@@ -1,6 +1,7 @@
 """What a wrapped module method call consults besides its module: this
 thread's stack of running modules, the ``capture_intermediates`` filters of
-the ``init``/``apply`` calls in progress, and the two hooks on every call.
+the ``init``/``apply`` calls in progress, the two hooks on every call, and
+whether calls are wrapped in ``jax.named_scope`` (Linen's named call).
 
 * **Interceptors** (Linen's ``nn.intercept_methods``) may change a call: each
   one receives the next function to call and decides what to pass and
@@ -29,6 +30,42 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+
+from liftmods import config
+
+_use_named_call = config.FLAG_VALUES['flax_profile']
+
+
+def enable_named_call():
+  """Wrap every module method call in ``jax.named_scope`` (the default)."""
+  global _use_named_call
+  _use_named_call = True
+
+
+def disable_named_call():
+  """Stop wrapping module method calls in ``jax.named_scope``."""
+  global _use_named_call
+  _use_named_call = False
+
+
+def named_call_enabled() -> bool:
+  """Whether module method calls are wrapped in ``jax.named_scope`` now."""
+  return _use_named_call
+
+
+class override_named_call:
+  """Context manager setting named-call wrapping for its body."""
+
+  def __init__(self, enable: bool = True):
+    self.enable = enable
+
+  def __enter__(self):
+    global _use_named_call
+    self.saved, _use_named_call = _use_named_call, self.enable
+
+  def __exit__(self, *exc):
+    global _use_named_call
+    _use_named_call = self.saved
 
 
 class ThreadCalls(threading.local):

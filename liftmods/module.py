@@ -36,7 +36,8 @@ from liftmods.call_context import ModuleCall, run_interceptors
 # The call hooks under their flax.linen.module names (and record_calls).
 from liftmods.call_context import (  # pylint: disable=unused-import
     InterceptorContext, active_interceptors, current_module,
-    intercept_methods, record_calls)
+    disable_named_call, enable_named_call, intercept_methods,
+    named_call_enabled, override_named_call, record_calls)
 from liftmods.core import partial_eval
 from liftmods.core import scope as scope_lib
 from liftmods.core.filters import DenyList, union
@@ -74,41 +75,10 @@ def _get_unspecified_parent():
 
 _unspecified_parent = _Unspecified()
 _ids = itertools.count()
-_use_named_call = config.FLAG_VALUES['flax_profile']
 
 NEW, TRANSFORMED, DONE = 0, 1, 2  # setup states
 
 
-def enable_named_call():
-  """Wrap every module method call in ``jax.named_scope`` (the default)."""
-  global _use_named_call
-  _use_named_call = True
-
-
-def disable_named_call():
-  """Stop wrapping module method calls in ``jax.named_scope``."""
-  global _use_named_call
-  _use_named_call = False
-
-
-def named_call_enabled() -> bool:
-  """Whether module method calls are wrapped in ``jax.named_scope`` now."""
-  return _use_named_call
-
-
-class override_named_call:
-  """Context manager setting named-call wrapping for its body."""
-
-  def __init__(self, enable: bool = True):
-    self.enable = enable
-
-  def __enter__(self):
-    global _use_named_call
-    self.saved, _use_named_call = _use_named_call, self.enable
-
-  def __exit__(self, *exc):
-    global _use_named_call
-    _use_named_call = self.saved
 
 
 class _State:
@@ -594,7 +564,7 @@ class Module:
     try:
       run = (functools.partial(run_interceptors, fun) if context.interceptors
              else fun)
-      if _use_named_call and self.scope is not None:
+      if call_context.named_call_enabled() and self.scope is not None:
         label = self.name or type(self).__name__
         if fun_name != '__call__':
           label = f'{label}.{fun_name}'

@@ -128,7 +128,7 @@ def test_preserve_adopted_names(flag, class_attr):
 
 
 def test_profile_flag_names_the_default_for_named_call():
-  assert lnn.module._use_named_call == config.flax_profile
+  assert lnn.module.named_call_enabled() == config.flax_profile
 
 
 def test_doctests():
