@@ -89,13 +89,13 @@ ROW_SETS = {
     'bf16': (
         ('1b', 'v5e:4x4', 'fsdp', 4, ('full',), ('f32', 'bf16'), 0),
     ),
-    # The 1b width at 100 layers (5.1 B parameters): the 100 carries between
-    # blocks (64 MiB each per chip) no longer fit next to the rest, so
-    # scan-of-remat is refused while the (L, ...) layout's nested and
-    # offload forms keep 20 carries or none on the device.
+    # The 1b width at 112 layers: the 112 carries between blocks (64 MiB
+    # each per chip) no longer fit next to the rest, so scan-of-remat is
+    # refused, while the (L, ...) layout's nested and offload forms keep
+    # about 2 sqrt(L) carries or none on the device.
     'fits': (
         ('1b', 'v5e:4x4', 'fsdp', 4, ('full', 'nested', 'offload'),
-         ('f32',), 100),
+         ('f32',), 112),
     ),
 }
 DEFAULT_ROWS = ROW_SETS['default']
