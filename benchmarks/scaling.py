@@ -354,6 +354,17 @@ def mfu(row: Row) -> float | None:
   return row.model_flops / chips / est / aot.chip(row.topology)['peak_flops']
 
 
+def mfu_cell(m: float | None) -> str:
+  """The est. MFU column. An estimate shorter than the model's FLOPs take
+  at the chip's peak (MFU above 100%) cannot hold; XLA's cost model gives
+  such estimates for some scanned programs, and the cell says so."""
+  if m is None:
+    return 'n/a'
+  if m > 1:
+    return f'{100 * m:.0f}% (above peak: the estimate cannot hold)'
+  return f'{100 * m:.0f}%'
+
+
 HEADER = ('| size | layers | slice | sharding | library | stack | precision | '
           'batch | param+opt MiB | peak MiB | temp MiB | host MiB | fits | '
           'model TFLOP/step | est. s (XLA model) | est. MFU | compile s |')
@@ -371,7 +382,7 @@ def format_row(row: Row) -> str:
     cells += ['-', '-', '-', r.verdict()]
   cells += [f'{row.model_flops / 1e12:,.1f}',
             'n/a' if r.est_seconds is None else f'{r.est_seconds:.3f}',
-            'n/a' if m is None else f'{100 * m:.0f}%', f'{r.compile_s:.1f}']
+            mfu_cell(m), f'{r.compile_s:.1f}']
   return '| ' + ' | '.join(str(c) for c in cells) + ' |'
 
 
