@@ -24,10 +24,23 @@ TFLOP per step (6 N T + 12 L d S T, all chips), XLA's estimated step seconds
 (its cost model; n/a when it gives none) and the MFU that estimate implies
 against the chip's peak bf16 FLOP/s (``aot.CHIPS``), compile seconds.
 
+Precision (``--precision=f32,bf16``): ``f32`` computes in float32; ``bf16``
+computes in bfloat16 with float32 parameters, optimizer state and loss. The
+liftmods model gets it from one ``nn.precision_policy`` entered around
+tracing (the model code is unchanged). Linen has no model-wide policy and
+``examples/lm``'s ``Config`` has no dtype to thread through, so the Linen
+bf16 rows run the model file against a namespace whose layer classes
+(``Dense``, ``Embed``, ``LayerNorm``, ``SelfAttention``) default to
+``dtype=bfloat16``: the program that editing every layer call to pass
+``dtype`` would give.
+
   python -m benchmarks.scaling                  # default rows, a few minutes
+  python -m benchmarks.scaling --rows=bf16      # 1b fsdp full, f32 and bf16
+  python -m benchmarks.scaling --rows=fits      # a row only liftmods fits
   python -m benchmarks.scaling --full           # every size/slice/policy
   python -m benchmarks.scaling --sizes=125m --slices=v5e:2x2 --policies=full
 """
+import contextlib
 import dataclasses
 import functools
 import math
@@ -64,12 +77,32 @@ SHARDINGS = {  # mesh axes, logical rules
 }
 POLICIES = ('none', 'full', 'named', 'nested', 'offload', 'nested_offload')
 LINEN_POLICIES = ('none', 'full', 'named', 'nested')
-# (size, slice, sharding, per-chip batch, policies): the default rows.
-DEFAULT_ROWS = (
-    ('1b', 'v5e:4x4', 'fsdp', 4, ('full',)),
-    ('70b', 'v5e:16x16', 'fsdp', 1,
-     ('full', 'nested', 'offload', 'nested_offload')),
-)
+PRECISIONS = ('f32', 'bf16')
+# (size, slice, sharding, per-chip batch, policies, precisions, layers (0:
+# the size's)): the named row sets of --rows.
+ROW_SETS = {
+    'default': (
+        ('1b', 'v5e:4x4', 'fsdp', 4, ('full',), ('f32',), 0),
+        ('70b', 'v5e:16x16', 'fsdp', 1,
+         ('full', 'nested', 'offload', 'nested_offload'), ('f32',), 0),
+    ),
+    'bf16': (
+        ('1b', 'v5e:4x4', 'fsdp', 4, ('full',), ('f32', 'bf16'), 0),
+    ),
+    # The 1b width at 112 layers: the 112 carries between blocks (64 MiB
+    # each per chip) no longer fit next to the rest, so scan-of-remat is
+    # refused, while the (L, ...) layout's nested and offload forms keep
+    # about 2 sqrt(L) carries or none on the device.
+    # In bf16 the blocks' internals shrink (the carries stay f32), and
+    # scan-of-remat fits at 112 layers; at 128 it is refused again.
+    'fits': (
+        ('1b', 'v5e:4x4', 'fsdp', 4, ('full', 'nested', 'offload'),
+         ('f32',), 112),
+        ('1b', 'v5e:4x4', 'fsdp', 4, ('full', 'nested', 'offload'),
+         ('bf16',), 128),
+    ),
+}
+DEFAULT_ROWS = ROW_SETS['default']
 FULL_SLICES = ('v5e:4x4', 'v5e:16x16', 'v5p:4x4x8', 'v5p:8x8x16')
 
 flags.DEFINE_bool('full', False, 'every size x slice x policy (long)')
@@ -84,14 +117,20 @@ flags.DEFINE_string('init_sharded', '', 'instead of train steps, compile '
                     'nn.init_sharded of SIZE for SLICE (fsdp_tp rules), e.g. '
                     '70b@v5p:8x8x16')
 flags.DEFINE_list('libraries', ['liftmods', 'linen'], 'liftmods and/or linen')
+flags.DEFINE_list('precision', ['f32'], f'compute precisions from {PRECISIONS} '
+                  '(with --sizes); bf16 keeps f32 parameters, optimizer state '
+                  'and loss')
+flags.DEFINE_string('rows', 'default', f'a named row set from {list(ROW_SETS)}'
+                    ' (without --sizes/--slices/--policies/--full)')
 F = flags.FLAGS
 
 
-def config(size: str) -> lm.Config:
-  vocab, seq, layers, heads, d_model = SIZES[size]
+def config(size: str, layers: int = 0) -> lm.Config:
+  vocab, seq, size_layers, heads, d_model = SIZES[size]
   return lm.Config(vocab_size=vocab, max_len=F.seq or seq,
-                   num_layers=F.layers or layers, num_heads=heads,
-                   d_model=d_model, mlp_ratio=4, dropout_rate=0.0)
+                   num_layers=layers or F.layers or size_layers,
+                   num_heads=heads, d_model=d_model, mlp_ratio=4,
+                   dropout_rate=0.0)
 
 
 def n_params(cfg: lm.Config) -> int:
@@ -138,16 +177,53 @@ def liftmods_stack(policy):
   return make
 
 
+BF16 = lnn.Precision(compute_dtype=jnp.bfloat16, param_dtype=jnp.float32,
+                     output_dtype=jnp.float32)
+
+
+def precision_scope(library: str, precision: str):
+  """What a row is traced under: liftmods' bf16 rows in one model-wide
+  precision policy; everything else as written."""
+  if precision == 'f32':
+    return contextlib.nullcontext()
+  if library == 'liftmods':
+    return lnn.precision_policy(BF16)
+  return contextlib.nullcontext()  # Linen: the layers' dtype (linen_lm)
+
+
+class _LinenBf16:
+  """flax.linen, except that the layers the LM builds compute in bfloat16
+  unless told otherwise (their parameters stay float32)."""
+
+  def __init__(self):
+    def bf16(base):
+      return type(base.__name__, (base,), {
+          '__annotations__': {'dtype': object}, 'dtype': jnp.bfloat16,
+          '__module__': base.__module__})
+
+    self.Dense = bf16(fnn.Dense)
+    self.Embed = bf16(fnn.Embed)
+    self.LayerNorm = bf16(fnn.LayerNorm)
+    self.SelfAttention = bf16(fnn.SelfAttention)
+
+  def __getattr__(self, name):
+    return getattr(fnn, name)
+
+
 @functools.cache
-def linen_lm():
-  """``examples/lm/model.py`` built with flax.linen."""
-  return lm_model_module('flax.linen')
+def linen_lm(precision: str = 'f32'):
+  """``examples/lm/model.py`` built with flax.linen; for ``'bf16'`` its
+  ``nn`` is :class:`_LinenBf16` (the file itself unchanged)."""
+  module = lm_model_module('flax.linen')
+  if precision == 'bf16':
+    module.nn = _LinenBf16()
+  return module
 
 
-def linen_stack(policy):
+def linen_stack(policy, precision='f32'):
   def make(config, decode, name):
     del decode
-    block = linen_lm().Block
+    block = linen_lm(precision).Block
     if policy == 'nested':
       class Body(block):
         def __call__(self, x):
@@ -180,10 +256,11 @@ def linen_stack(policy):
   return make
 
 
-def build(library: str, cfg: lm.Config, policy: str):
+def build(library: str, cfg: lm.Config, policy: str, precision: str = 'f32'):
   if library == 'liftmods':
     return lm.TransformerLM(cfg, stack_fn=liftmods_stack(policy))
-  return linen_lm().TransformerLM(cfg, stack_fn=linen_stack(policy))
+  return linen_lm(precision).TransformerLM(
+      cfg, stack_fn=linen_stack(policy, precision))
 
 
 def param_shardings(library, model, mesh, rules, tokens):
@@ -220,18 +297,21 @@ class Row:
   state_bytes: int
   report: aot.Report
   model_flops: float
+  precision: str = 'f32'
+  layers: int = 0
 
 
 def compile_row(size, topology, sharding, library, policy, chip_batch,
-                cfg=None):
-  """One row: the train step compiled for ``topology`` (``cfg`` overrides
-  the size's config)."""
-  cfg = cfg or config(size)
+                cfg=None, precision='f32', layers=0):
+  """One row: the train step compiled for ``topology`` in ``precision``
+  (``cfg`` overrides the size's config, ``layers`` its layer count)."""
+  cfg = cfg or config(size, layers)
   axes, rules = SHARDINGS[sharding]
   mesh = aot.topology_mesh(topology, axes)
   batch = chip_batch * mesh.size
   tokens = jax.ShapeDtypeStruct((1, cfg.max_len), jnp.int32)
-  model = build(library, cfg, policy)
+  model = build(library, cfg, policy, precision)
+  extra = dict(precision=precision, layers=cfg.num_layers)
   try:
     params, p_shardings = param_shardings(library, model, mesh, rules, tokens)
   except flax.errors.PartitioningUnspecifiedError:
@@ -241,7 +321,7 @@ def compile_row(size, topology, sharding, library, policy, chip_batch,
                         error='Linen remat_scan cannot stack partitioned '
                         'parameters (no metadata_params)')
     return Row(size, topology, sharding, library, policy, batch, 0, report,
-               model_flops(cfg, batch))
+               model_flops(cfg, batch), **extra)
   optimizer = lm_train.make_optimizer(lm_train.TrainConfig())
   replicated = NamedSharding(mesh, PartitionSpec())
   opt_state = jax.eval_shape(optimizer.init, params)
@@ -260,13 +340,15 @@ def compile_row(size, topology, sharding, library, policy, chip_batch,
                                   batch_sharding=batch_sharding)
 
   def lower():
-    with jax.set_mesh(mesh), lnn.logical_axis_rules(rules):
+    with (jax.set_mesh(mesh), lnn.logical_axis_rules(rules),
+          precision_scope(library, precision)):
       return step.lower(state, tokens)
 
-  label = f'{size} {topology} {sharding} {library} {policy} b={batch}'
+  label = (f'{size} L={cfg.num_layers} {topology} {sharding} {library} '
+           f'{policy} {precision} b={batch}')
   report, _ = aot.compile_report(label, lower)
   return Row(size, topology, sharding, library, policy, batch,
-             sharded_bytes(state), report, model_flops(cfg, batch))
+             sharded_bytes(state), report, model_flops(cfg, batch), **extra)
 
 
 def mfu(row: Row) -> float | None:
@@ -277,16 +359,28 @@ def mfu(row: Row) -> float | None:
   return row.model_flops / chips / est / aot.chip(row.topology)['peak_flops']
 
 
-HEADER = ('| size | slice | sharding | library | stack | batch | '
-          'param+opt MiB | peak MiB | temp MiB | host MiB | fits | '
+def mfu_cell(m: float | None) -> str:
+  """The est. MFU column. An estimate shorter than the model's FLOPs take
+  at the chip's peak (MFU above 100%) cannot hold; XLA's cost model gives
+  such estimates for some scanned programs, and the cell says so."""
+  if m is None:
+    return 'n/a'
+  if m > 1:
+    return f'{100 * m:.0f}% (above peak: the estimate cannot hold)'
+  return f'{100 * m:.0f}%'
+
+
+HEADER = ('| size | layers | slice | sharding | library | stack | precision | '
+          'batch | param+opt MiB | peak MiB | temp MiB | host MiB | fits | '
           'model TFLOP/step | est. s (XLA model) | est. MFU | compile s |')
 
 
 def format_row(row: Row) -> str:
   r = row.report
   m = mfu(row)
-  cells = [row.size, row.topology, row.sharding, row.library, row.policy,
-           row.batch, f'{row.state_bytes / aot.MIB:,.0f}']
+  cells = [row.size, row.layers, row.topology, row.sharding, row.library,
+           row.policy, row.precision, row.batch,
+           f'{row.state_bytes / aot.MIB:,.0f}']
   if r.fits:
     cells += [f'{r.peak / aot.MIB:,.0f}', f'{r.temp / aot.MIB:,.0f}',
               f'{r.host / aot.MIB:,.0f}', 'fits']
@@ -294,27 +388,38 @@ def format_row(row: Row) -> str:
     cells += ['-', '-', '-', r.verdict()]
   cells += [f'{row.model_flops / 1e12:,.1f}',
             'n/a' if r.est_seconds is None else f'{r.est_seconds:.3f}',
-            'n/a' if m is None else f'{100 * m:.0f}%', f'{r.compile_s:.1f}']
+            mfu_cell(m), f'{r.compile_s:.1f}']
   return '| ' + ' | '.join(str(c) for c in cells) + ' |'
 
 
 def plan():
-  """(size, slice, sharding, library, policy, chip batch) of every row."""
+  """``compile_row`` keyword arguments of every row."""
   libraries = F.libraries
+  precisions = tuple(F.precision)
+  for p in precisions:
+    if p not in PRECISIONS:
+      raise app.UsageError(f'--precision={p}: expected one of {PRECISIONS}')
   if F.sizes or F.slices or F.policies:
-    combos = [(s, t, F.sharding, F.chip_batch, tuple(F.policies or POLICIES))
+    combos = [(s, t, F.sharding, F.chip_batch, tuple(F.policies or POLICIES),
+               precisions, F.layers)
               for s in (F.sizes or ['125m']) for t in (F.slices or ['v5e:4x4'])]
   elif F.full:
-    combos = [(s, t, sh, 1, POLICIES) for s in SIZES for t in FULL_SLICES
-              for sh in SHARDINGS]
+    combos = [(s, t, sh, 1, POLICIES, precisions, F.layers) for s in SIZES
+              for t in FULL_SLICES for sh in SHARDINGS]
   else:
-    combos = DEFAULT_ROWS
-  for size, topology, sharding, chip_batch, policies in combos:
+    if F.rows not in ROW_SETS:
+      raise app.UsageError(f'--rows={F.rows}: expected one of {list(ROW_SETS)}')
+    combos = ROW_SETS[F.rows]
+  for (size, topology, sharding, chip_batch, policies, row_precisions,
+       layers) in combos:
     for policy in policies:
-      for library in libraries:
-        if library == 'linen' and policy not in LINEN_POLICIES:
-          continue
-        yield size, topology, sharding, library, policy, chip_batch
+      for precision in row_precisions:
+        for library in libraries:
+          if library == 'linen' and policy not in LINEN_POLICIES:
+            continue
+          yield dict(size=size, topology=topology, sharding=sharding,
+                     library=library, policy=policy, chip_batch=chip_batch,
+                     precision=precision, layers=layers)
 
 
 def largest_f32(hlo_text: str) -> int:
@@ -356,13 +461,14 @@ def main(argv):
   if F.init_sharded:
     size, topology = F.init_sharded.split('@')
     return init_sharded_report(size, topology)
-  print('AdamW train step of examples/lm, f32, compiled per slice; per-device '
-        'figures; est. s and MFU come from XLA\'s cost model.')
+  print('AdamW train step of examples/lm (f32 parameters and optimizer '
+        'state), compiled per slice; per-device figures; est. s and MFU come '
+        'from XLA\'s cost model.')
   print(HEADER)
-  print('|' + '---|' * 15)
+  print('|' + '---|' * 17)
   start = time.perf_counter()
   for spec in plan():
-    print(format_row(compile_row(*spec)), flush=True)
+    print(format_row(compile_row(**spec)), flush=True)
   print(f'\nPeak bf16 FLOP/s per chip (Cloud TPU docs): ' + ', '.join(
       f'{k} {v["peak_flops"] / 1e12:.0f}T' for k, v in aot.CHIPS.items()) +
         f'. Total compile time {time.perf_counter() - start:.0f} s.')

@@ -182,6 +182,26 @@ def test_scaling_rows_compile_sharded_train_step():
   assert r.alias > 0  # the state is donated
 
 
+@needs_libtpu
+def test_scaling_bf16_row_keeps_f32_state_and_needs_less_temp():
+  from benchmarks import scaling  # pylint: disable=g-import-not-at-top
+  from examples.lm.model import Config  # pylint: disable=g-import-not-at-top
+  cfg = Config(vocab_size=1024, max_len=256, num_layers=2, num_heads=4,
+               d_model=512, dropout_rate=0.0)
+  f32, bf16 = (scaling.compile_row('tiny', 'v5e:2x2', 'fsdp', 'liftmods',
+                                   'full', 4, cfg=cfg, precision=p)
+               for p in ('f32', 'bf16'))
+  assert f32.report.fits and bf16.report.fits
+  assert (f32.precision, bf16.precision) == ('f32', 'bf16')
+  # Parameters and AdamW state stay float32: the same state and argument
+  # bytes (state + tokens) in both programs.
+  assert bf16.state_bytes == f32.state_bytes
+  assert bf16.report.argument == f32.report.argument
+  # The activations inside the blocks (attention scores, the MLP's hidden
+  # units) are bfloat16: fewer temporary bytes for the same model.
+  assert bf16.report.temp < 0.95 * f32.report.temp
+
+
 _PIPELINE_ROWS = """
 import jax, jax.numpy as jnp, liftmods as nn
 from benchmarks import pipeline
