@@ -79,8 +79,6 @@ _ids = itertools.count()
 NEW, TRANSFORMED, DONE = 0, 1, 2  # setup states
 
 
-
-
 class _State:
   """Per-instance bookkeeping reset after every compact/setup call."""
 

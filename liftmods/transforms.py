@@ -31,7 +31,7 @@ from liftmods.core import lift
 from liftmods.core import meta
 from liftmods.core.frozen_dict import FrozenDict
 from liftmods.core.scope import Scope, Variable
-from liftmods import call_context
+from liftmods.call_context import calls
 from liftmods.module import (DECLINED, Module, active_interceptors, any_nested,
                              named_call_enabled, unbound_method, wrap_method)
 from liftmods.traceback_util import api_boundary
@@ -608,6 +608,10 @@ class _ModuleKey:
     self.key = (fingerprint, _state_key(module), active_interceptors())
     self._hash = hash(self.key)
 
+  @property
+  def interceptors(self) -> tuple:
+    return self.key[2]
+
   def __hash__(self):
     return self._hash
 
@@ -656,56 +660,60 @@ def _fast_apply_for(cls, trafo_kwargs):
   A plain ``apply`` of such a class (no rngs, nothing mutable, no capture)
   traces to the same program as ``apply`` of the class it lifts, so one
   ``jax.jit`` of that apply serves it, keyed by the module's configuration:
-  a repeated call costs about what ``jax.jit(Model().apply)`` costs. It
-  declines for subclasses of ``cls``, modules whose fields or arguments may
-  hold modules, and inside another module's call, a recording or a capture.
+  a repeated call costs about what ``jax.jit(Model().apply)`` costs. The key
+  is built once per module (its fields cannot change after construction)
+  and rebuilt only when the active interceptors change. It declines for
+  subclasses of ``cls``, modules whose fields or arguments may hold
+  modules, and inside another module's call, a recording or a capture.
   """
-  shift = lambda nums: tuple(i + 1 for i in (
-      (nums,) if isinstance(nums, int) else nums) if i > 0)
-  extra = {k: trafo_kwargs[k] for k in ('device', 'backend')
-           if trafo_kwargs.get(k) is not None}
-
   def run(module_key, variables, *args, **kwargs):
     # method='__call__' is what method=None means, minus this fast path.
     return module_key.module.clone(parent=None).apply(
         variables, *args, method='__call__', **kwargs)
 
-  jitted = jax.jit(
-      run, static_argnums=(0,) + shift(trafo_kwargs.get('static_argnums', ())),
-      static_argnames=trafo_kwargs.get('static_argnames', ()),
-      donate_argnums=shift(trafo_kwargs.get('donate_argnums', ())), **extra)
-  calls = call_context.calls
+  jitted = _module_keyed_jit(run, trafo_kwargs, before_args=1)
 
   def fast_apply(module, variables, args, kwargs):
     if (type(module) is not cls or type(variables) not in (dict, FrozenDict)
         or calls.module_stack[-1] is not None or calls.capture_stack
-        or calls.recording is not None):
+        or calls.recording is not None or _needs_walk(args, kwargs)):
       return DECLINED
-    fingerprint = _leaf_fingerprint(module)
-    if fingerprint is None or _needs_walk(args, kwargs):
-      return DECLINED
-    return jitted(_ModuleKey(module, fingerprint), variables, *args, **kwargs)
+    key = module.__dict__.get('_fast_apply_key')
+    if key is None or key.interceptors != tuple(calls.interceptors):
+      fingerprint = _leaf_fingerprint(module)
+      if fingerprint is None:
+        return DECLINED
+      key = module.__dict__['_fast_apply_key'] = _ModuleKey(module,
+                                                            fingerprint)
+    return jitted(key, variables, *args, **kwargs)
 
   return fast_apply
+
+
+def _module_keyed_jit(run, trafo_kwargs, before_args=0):
+  """``jax.jit`` of ``run(module_key, *before, *args)`` with the module key
+  static: nn.jit's argument numbers (``self`` is 0) moved past the
+  ``before_args`` arguments that ``run`` takes ahead of the user's."""
+  def shift(nums):
+    nums = (nums,) if isinstance(nums, int) else nums
+    return tuple(i + before_args for i in nums if i > 0)
+
+  extra = {k: trafo_kwargs[k] for k in ('device', 'backend')
+           if trafo_kwargs.get(k) is not None}
+  return jax.jit(
+      run, static_argnums=(0,) + shift(trafo_kwargs.get('static_argnums', ())),
+      static_argnames=trafo_kwargs.get('static_argnames', ()),
+      donate_argnums=shift(trafo_kwargs.get('donate_argnums', ())), **extra)
 
 
 def _unbound_jit(fn, trafo_kwargs):
   """``jax.jit`` of ``fn(module, *args)`` for an unbound module (e.g. an
   ``init_with_output`` override): the module is a static argument, keyed
   by its configuration, and a clone of it runs inside."""
-  static = trafo_kwargs['static_argnums']
-  static = (static,) if isinstance(static, int) else tuple(static)
-  donate = trafo_kwargs['donate_argnums']
-  donate = (donate,) if isinstance(donate, int) else tuple(donate)
-  extra = {k: trafo_kwargs[k] for k in ('device', 'backend')
-           if trafo_kwargs[k] is not None}
-
   def run(module_key, *args, **kwargs):
     return fn(module_key.module.clone(parent=None), *args, **kwargs)
 
-  return jax.jit(run, static_argnums=(0,) + tuple(i for i in static if i > 0),
-                 static_argnames=trafo_kwargs['static_argnames'],
-                 donate_argnums=tuple(i for i in donate if i > 0), **extra)
+  return _module_keyed_jit(run, trafo_kwargs)
 
 
 def _jit_lift(fn, fn_name, cls, trafo_kwargs, transform=lift.jit):
