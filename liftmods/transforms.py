@@ -620,9 +620,10 @@ class _ModuleKey:
 
 
 # Field value types that are their own fingerprint and can hold no bound
-# module or Variable (a function is never a pytree node).
+# module or Variable (a function or a class is never a pytree node): numbers,
+# strings, initializers, and dtypes given as classes (``jnp.float32``).
 _KEY_LEAF_TYPES = frozenset((type(None), str, int, float, bool,
-                             types.FunctionType))
+                             types.FunctionType, type, type(jax.numpy.float32)))
 
 
 def _leaf_fingerprint(module: Module):

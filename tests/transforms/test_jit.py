@@ -12,6 +12,7 @@ import pytest
 
 from lifted_check import BACKENDS, X4, mlp, check
 import liftmods as lnn
+from liftmods import call_context
 
 pytestmark = pytest.mark.usefixtures('fast_compiles')
 
@@ -254,6 +255,41 @@ def test_jit_plain_apply_keys_on_configuration():
   v = Wrap(lnn.Dense(3)).init(jax.random.key(0), X4)
   np.testing.assert_array_equal(lnn.jit(Wrap)(lnn.Dense(3)).apply(v, X4),
                                 Wrap(lnn.Dense(3)).apply(v, X4))
+
+
+def test_jit_plain_apply_declines_where_scopes_matter(monkeypatch):
+  """A module-valued field, a call inside a recording and a call inside
+  another module's method take the general path (each builds its scope)
+  even once the fast path has a compiled entry."""
+  model = lnn.jit(lnn.Dense)(3)
+  v = model.init(jax.random.key(0), X4)
+  want = lnn.Dense(3).apply(v, X4)
+  model.apply(v, X4)  # the fast path compiles its entry
+
+  class Wrap(lnn.Module):
+    inner: lnn.Module
+
+    @lnn.compact
+    def __call__(self, x):
+      return self.inner(x)
+
+  class Outer(lnn.Module):
+    @lnn.compact
+    def __call__(self, x):
+      return model.apply(v, x)
+
+  wrapped = lnn.jit(Wrap)(lnn.Dense(3))
+  wv = {'params': {'inner': v['params']}}
+  runs = _scope_runs(monkeypatch)
+  np.testing.assert_array_equal(wrapped.apply(wv, X4), want)
+  assert len(runs) == 1
+  with call_context.record_calls():
+    np.testing.assert_array_equal(model.apply(v, X4), want)
+  assert len(runs) == 2
+  np.testing.assert_array_equal(Outer().apply({}, X4), want)
+  assert len(runs) == 4  # Outer's own apply and the inner one
+  np.testing.assert_array_equal(model.apply(v, X4), want)
+  assert len(runs) == 4  # back on the fast path
 
 
 def test_jit_plain_apply_static_and_keyword_arguments():

@@ -385,6 +385,8 @@ def test_one_pass_key_equals_the_general_fingerprint():
     act: Any = jax.nn.relu
     flag: bool = True
     extra: Any = None
+    dtype: Any = jnp.float32
+    kind: Any = lnn.Dense
 
     @lnn.compact
     def __call__(self, x):
