@@ -14,9 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import liftmods
 from examples.lm import data
 from examples.lm.model import Config, TransformerLM
-from examples.lm.train import TrainConfig, generate, train
+from examples.lm.train import (TrainConfig, generate, key_bias_mask,
+                               make_optimizer, train)
 
 TINY = TrainConfig(
     model=Config(max_len=32, num_layers=2, num_heads=2, d_model=32),
@@ -80,6 +82,24 @@ def test_sampling(straight):
   sample = straight['sample']
   assert sample.startswith(TINY.prompt)
   assert len(sample.encode('utf-8', errors='replace')) >= TINY.sample_length
+
+
+def test_optimizer_never_moves_the_attention_key_bias():
+  """The key bias's true gradient is zero (softmax ignores a per-query
+  shift), so make_optimizer zeroes its update: given gradients everywhere,
+  every other parameter moves and the key bias alone stays put."""
+  cfg = TINY.model
+  params = liftmods.unbox(TransformerLM(cfg).init(
+      jax.random.key(0), jnp.zeros((1, cfg.max_len), jnp.int32))['params'])
+  paths = [jax.tree_util.keystr(p) for p, masked in
+           jax.tree_util.tree_leaves_with_path(key_bias_mask(params)) if masked]
+  assert paths == ["['blocks']['attn']['key']['bias']"]
+  optimizer = make_optimizer(dataclasses.replace(TINY, warmup_steps=0))
+  grads = jax.tree_util.tree_map(jnp.ones_like, params)
+  updates, _ = optimizer.update(grads, optimizer.init(params), params)
+  for path, u in jax.tree_util.tree_leaves_with_path(updates):
+    moved = bool(jnp.any(u != 0))
+    assert moved == (jax.tree_util.keystr(path) not in paths), path
 
 
 def test_cached_decode_matches_full_forward():
