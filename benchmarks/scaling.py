@@ -102,7 +102,6 @@ ROW_SETS = {
          ('bf16',), 128),
     ),
 }
-DEFAULT_ROWS = ROW_SETS['default']
 FULL_SLICES = ('v5e:4x4', 'v5e:16x16', 'v5p:4x4x8', 'v5p:8x8x16')
 
 flags.DEFINE_bool('full', False, 'every size x slice x policy (long)')
@@ -183,12 +182,11 @@ BF16 = lnn.Precision(compute_dtype=jnp.bfloat16, param_dtype=jnp.float32,
 
 def precision_scope(library: str, precision: str):
   """What a row is traced under: liftmods' bf16 rows in one model-wide
-  precision policy; everything else as written."""
-  if precision == 'f32':
-    return contextlib.nullcontext()
-  if library == 'liftmods':
+  precision policy; everything else as written (Linen's bf16 comes from
+  its layers' dtype, see ``linen_lm``)."""
+  if library == 'liftmods' and precision == 'bf16':
     return lnn.precision_policy(BF16)
-  return contextlib.nullcontext()  # Linen: the layers' dtype (linen_lm)
+  return contextlib.nullcontext()
 
 
 class _LinenBf16:
