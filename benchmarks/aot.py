@@ -20,6 +20,8 @@ program's ``memory_analysis()`` and ``cost_analysis()`` give, per device:
 A program whose memory exceeds the chip's HBM is refused by the TPU compiler
 (``RESOURCE_EXHAUSTED``); ``compile_report`` turns that into a row reading
 "does not fit: needs X of Y GiB" with the figures from the error.
+``largest_fitting`` uses those refusals, which come back in seconds, to find
+the largest size of a model the compiler fits with few full compiles.
 
   python -m benchmarks.stack --topology=v5e:2x2 --hidden=512 --batch=16384
 """
@@ -213,6 +215,64 @@ def compile_report(label: str, lower) -> tuple[Report, object]:
                   needs_gib=need, available_gib=have,
                   error=message.splitlines()[0]), None
   return report_from(label, compiled, time.perf_counter() - start), compiled
+
+
+def fit_bounds(reports: dict) -> tuple[int, int | None]:
+  """``(largest size that fits or 0, smallest size refused or None)`` of
+  ``reports`` ({size: Report})."""
+  fits = max((n for n, r in reports.items() if r.fits), default=0)
+  refused = min((n for n, r in reports.items() if not r.fits), default=None)
+  return fits, refused
+
+
+def limit_estimate(reports: dict) -> float:
+  """The size at which the compiler's "needs X of Y GiB", taken as linear in
+  the size, reaches Y: on the line through the two smallest refused sizes,
+  or with one refusal, through it and the origin (an overestimate, as the
+  figure has a positive intercept). 0 without any such figure."""
+  points = sorted((n, r.needs_gib, r.available_gib)
+                  for n, r in reports.items() if r.needs_gib)
+  if not points:
+    return 0.0
+  (n1, need1, have), *rest = points
+  slope = need1 / n1
+  if rest and rest[0][1] > need1:
+    slope = (rest[0][1] - need1) / (rest[0][0] - n1)
+  return n1 - (need1 - have) / slope
+
+
+def next_size(reports: dict, step: int) -> int | None:
+  """The multiple of ``step`` to compile next, or None once the largest one
+  that fits is known (the next one up refused).
+
+  A refusal comes back in seconds and a program that fits takes minutes, so
+  the search probes just above the estimated limit, expecting a refusal,
+  and compiles the estimate itself only once the size above it is refused.
+  When a size that fits lies above the estimate, it comes down from the
+  smallest refusal a step at a time instead, each refusal sharpening the
+  estimate, rather than compiling its way up."""
+  fits, refused = fit_bounds(reports)
+  if refused is None:
+    return 2 * fits
+  if refused - fits <= step:
+    return None
+  guess = max(0, step * math.floor(limit_estimate(reports) / step))
+  if guess < fits:
+    return refused - step
+  guess = min(guess, refused - step)
+  return guess if guess + step == refused else guess + step
+
+
+def largest_fitting(probe, step: int, start: int) -> dict:
+  """Compiles ``probe(n)`` (-> Report) for multiples ``n`` of ``step``,
+  starting from ``start``, until the largest that fits is known; assumes
+  that what fits at ``n`` fits below it. Returns {n: Report} of every size
+  compiled (see ``fit_bounds``)."""
+  reports, size = {}, start
+  while size is not None:
+    reports[size] = probe(size)
+    size = next_size(reports, step)
+  return reports
 
 
 def _fmt(value, scale, digits=1):

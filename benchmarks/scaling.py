@@ -24,6 +24,12 @@ TFLOP per step (6 N T + 12 L d S T, all chips), XLA's estimated step seconds
 (its cost model; n/a when it gives none) and the MFU that estimate implies
 against the chip's peak bf16 FLOP/s (``aot.CHIPS``), compile seconds.
 
+``--sweep`` (one size and slice; each library and policy) searches the
+largest multiple of ``--sweep_step`` layers the compiler fits, starting from
+a count whose parameters and AdamW state alone exceed the HBM: refusals come
+back in seconds and their "needs X GiB" locate the limit, so mostly only
+the answer compiles in full (``aot.largest_fitting``).
+
 Precision (``--precision=f32,bf16``): ``f32`` computes in float32; ``bf16``
 computes in bfloat16 with float32 parameters, optimizer state and loss. The
 liftmods model gets it from one ``nn.precision_policy`` entered around
@@ -39,6 +45,8 @@ bf16 rows run the model file against a namespace whose layer classes
   python -m benchmarks.scaling --rows=fits      # a row only liftmods fits
   python -m benchmarks.scaling --full           # every size/slice/policy
   python -m benchmarks.scaling --sizes=125m --slices=v5e:2x2 --policies=full
+  python -m benchmarks.scaling --sweep --sizes=1b --slices=v5e:4x4 \
+      --chip_batch=4 --policies=none,full,named,nested,offload
 """
 import contextlib
 import dataclasses
@@ -119,6 +127,10 @@ flags.DEFINE_list('libraries', ['liftmods', 'linen'], 'liftmods and/or linen')
 flags.DEFINE_list('precision', ['f32'], f'compute precisions from {PRECISIONS} '
                   '(with --sizes); bf16 keeps f32 parameters, optimizer state '
                   'and loss')
+flags.DEFINE_bool('sweep', False, 'per library and stack policy, search the '
+                  'largest layer count the compiler fits (with --sizes, '
+                  '--slices; --layers is ignored)')
+flags.DEFINE_integer('sweep_step', 8, 'layer-count step of --sweep')
 flags.DEFINE_string('rows', 'default', f'a named row set from {list(ROW_SETS)}'
                     ' (without --sizes/--slices/--policies/--full)')
 F = flags.FLAGS
@@ -453,12 +465,87 @@ def init_sharded_report(size: str, topology: str):
         ' MiB)')
 
 
+def sweep_start(size: str, topology: str, step: int) -> int:
+  """A layer count the compiler surely refuses: the smallest multiple of
+  ``step`` at which the f32 parameters and AdamW moments alone, spread
+  evenly over the slice's chips, exceed a chip's HBM."""
+  chips = len(aot.topology_devices(topology))
+  hbm = aot.chip(topology)['hbm_gib'] * aot.GIB
+  layers = step
+  while 3 * 4 * n_params(config(size, layers)) / chips <= hbm:
+    layers += step
+  return layers
+
+
+def sweep_probe(spec):
+  """``compile_row`` of ``spec`` at a given layer count -> its Report,
+  printed as it comes."""
+  def probe(layers):
+    report = compile_row(**dict(spec, layers=layers)).report
+    print(f'  {report.label}: {report.verdict()} ({report.compile_s:.0f} s)',
+          flush=True)
+    return report
+
+  return probe
+
+
+SWEEP_HEADER = ('| library | stack | precision | largest fitting layers | '
+                'parameters (B) | peak MiB | first refused layers | needs '
+                '(GiB of usable) | compiles (fitting) | compile s |')
+
+
+def compile_seconds(reports) -> float:
+  return sum(r.compile_s for r in reports.values())
+
+
+def format_sweep(spec, reports) -> str:
+  """One table row of the search ``reports`` ({layers: Report})."""
+  fits, refused = aot.fit_bounds(reports)
+  cells = [spec['library'], spec['policy'], spec['precision']]
+  if fits:
+    cells += [fits, f'{n_params(config(spec["size"], fits)) / 1e9:.2f}',
+              f'{reports[fits].peak / aot.MIB:,.0f}']
+  else:
+    cells += [f'fewer than {F.sweep_step}', '-', '-']
+  top = reports.get(refused)
+  cells += [refused or '-', 'n/a' if top is None or top.needs_gib is None
+            else f'{top.needs_gib:.2f} of {top.available_gib:.2f}']
+  cells += [f'{len(reports)} ({sum(r.fits for r in reports.values())})',
+            f'{compile_seconds(reports):,.0f}']
+  return '| ' + ' | '.join(str(c) for c in cells) + ' |'
+
+
+def sweep_main():
+  """``--sweep``: for each row of ``plan()``, the largest multiple of
+  ``--sweep_step`` layers that the compiler fits, then one table."""
+  if len(F.sizes) != 1 or len(F.slices) != 1:
+    raise app.UsageError('--sweep takes one --sizes and one --slices entry')
+  (size,), (topology,), step = F.sizes, F.slices, F.sweep_step
+  first = sweep_start(size, topology, step)
+  rows, seconds = [], 0.0
+  for spec in plan():
+    if spec['library'] == 'linen' and spec['policy'] == 'nested':
+      continue  # remat_scan: not compiled (see compile_row)
+    reports = aot.largest_fitting(sweep_probe(spec), step, first)
+    rows.append(format_sweep(spec, reports))
+    seconds += compile_seconds(reports)
+  print(f'\nLargest fitting layer count (steps of {step}), {size} width on '
+        f'{topology}, {F.sharding}, {F.chip_batch} sequences per chip; peak '
+        'MiB per device at that count.')
+  print(SWEEP_HEADER)
+  print('|' + '---|' * 10)
+  print('\n'.join(rows))
+  print(f'\nTotal compile time {seconds:,.0f} s.')
+
+
 def main(argv):
   del argv
   aot.topology_devices('v5e:2x2')  # a clear error without libtpu
   if F.init_sharded:
     size, topology = F.init_sharded.split('@')
     return init_sharded_report(size, topology)
+  if F.sweep:
+    return sweep_main()
   print('AdamW train step of examples/lm (f32 parameters and optimizer '
         'state), compiled per slice; per-device figures; est. s and MFU come '
         'from XLA\'s cost model.')
