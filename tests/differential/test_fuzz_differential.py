@@ -36,29 +36,28 @@ def _check(data):
   assert verdict != 'mismatch', f'{detail}\n{case}\n{case.src}'
 
 
-def _shard(n):
-  # 8 shards x 25 programs take ~2.5 min on an idle 2-core machine (-n 2);
-  # LIFTMODS_FUZZ=0 skips them for quick local runs. Shards 1-7 run with
-  # the integration tests (make test-integration), shard 0 in make test.
+def _fuzz_test(name, seed_value, examples, mark):
   @pytest.mark.skipif(os.environ.get('LIFTMODS_FUZZ') == '0',
                       reason='fuzz shards skipped: LIFTMODS_FUZZ=0')
-  @seed(20261123 + n)
-  @_SETTINGS
+  @seed(seed_value)
+  @settings(_SETTINGS, max_examples=examples)
   @given(st.data())
   def test(data):
     _check(data)
-  test.__name__ = f'test_fuzz_shard_{n}'
-  return pytest.mark.integration(test) if n >= 1 else pytest.mark.long(test)
+  test.__name__ = name
+  return mark(test)
 
 
-test_fuzz_shard_0 = _shard(0)
-test_fuzz_shard_1 = _shard(1)
-test_fuzz_shard_2 = _shard(2)
-test_fuzz_shard_3 = _shard(3)
-test_fuzz_shard_4 = _shard(4)
-test_fuzz_shard_5 = _shard(5)
-test_fuzz_shard_6 = _shard(6)
-test_fuzz_shard_7 = _shard(7)
+# The 8 shards x 25 programs take ~2.5 min on an idle 2-core machine (-n 2)
+# and run with the integration tests (make test-integration); make test
+# runs a smoke shard of 8 other programs. LIFTMODS_FUZZ=0 skips them all.
+test_fuzz_smoke = _fuzz_test('test_fuzz_smoke', 20261123 + 100, 8,
+                             pytest.mark.long)
+for _n in range(8):
+  globals()[f'test_fuzz_shard_{_n}'] = _fuzz_test(
+      f'test_fuzz_shard_{_n}', 20261123 + _n, PROGRAMS_PER_SHARD,
+      pytest.mark.integration)
+del _n
 
 
 def test_generator_is_deterministic():

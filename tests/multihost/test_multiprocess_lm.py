@@ -55,6 +55,7 @@ def outcome(workdir):
   return history, dict(np.load(workdir / 'params.npz'))
 
 
+@pytest.mark.integration
 def test_sharded_init_on_two_processes_equals_one_process(tmp_path):
   multiprocess.launch(
       [sys.executable, '-m', 'tests.multihost.sharded_init_program',

@@ -1,11 +1,20 @@
 """Runs the 8-device cases (tests/spmd/spmd_mesh_cases.py) in a fresh process
-with 8 simulated CPU devices (see tests/multidevice.py)."""
+with 8 simulated CPU devices (see tests/multidevice.py): most of them in
+``make test``, the logical-annotation init and train step (the two longest)
+with the integration tests."""
 import pathlib
 
 import pytest
 from multidevice import assert_cases_pass
 
+CASES = pathlib.Path(__file__).with_name('spmd_mesh_cases.py')
+
 
 @pytest.mark.long
 def test_spmd_cases_pass_on_eight_devices():
-  assert_cases_pass(pathlib.Path(__file__).with_name('spmd_mesh_cases.py'))
+  assert_cases_pass(CASES, marks='not integration')
+
+
+@pytest.mark.integration
+def test_spmd_integration_cases_pass_on_eight_devices():
+  assert_cases_pass(CASES, marks='integration')
