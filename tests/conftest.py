@@ -33,8 +33,12 @@ def xla_compilation_cache(tmp_path_factory):
   modules are the same (the cache key leaves out source locations) the
   second compile is a cache hit. The executable is the one the second
   compile would have built, so nothing compared changes; the suite spends
-  about a third less CPU on those tests. ``LIFTMODS_TEST_XLA_CACHE=0``
-  turns it off."""
+  about a third less CPU on those tests. The lifted-transform tests'
+  ``fast_compiles`` fixture uses it too. Not shared between workers: the
+  cache key includes the directory, and a shared one needs jax's file lock,
+  whose size accounting (a scan of the directory on every write) left the
+  workers idle a third of the time in a trial.
+  ``LIFTMODS_TEST_XLA_CACHE=0`` turns it off."""
   if os.environ.get('LIFTMODS_TEST_XLA_CACHE') == '0':
     yield
     return

@@ -1,6 +1,5 @@
 """Differential tests: RNN, Bidirectional and flip_sequences against
 flax.linen, with every recurrent cell inside them."""
-import doctest
 
 import flax.linen as fnn
 import jax
@@ -165,11 +164,6 @@ def test_flip_sequences(time_major, with_lengths):
   np.testing.assert_array_equal(
       fnn.recurrent.flip_sequences(x, lengths, 1, time_major),
       lnn.flip_sequences(x, lengths, 1, time_major))
-
-
-def test_doctests():
-  result = doctest.testmod(recurrent, optionflags=doctest.ELLIPSIS)
-  assert result.attempted > 0 and result.failed == 0
 
 
 def test_rnn_variable_carry_pass_through():
