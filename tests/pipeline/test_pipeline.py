@@ -1,7 +1,8 @@
 """Runs the pipeline cases (pipeline_cases.py) in a fresh process with 8
-simulated CPU devices (see tests/multidevice.py): the core cases in
-``make test``, the rest of the matrix and the LM step with the integration
-tests."""
+simulated CPU devices (see tests/multidevice.py), with the integration
+tests (the core cases' process costs about 45 CPU-seconds, too much for
+make test's budget): the core cases, then the rest of the matrix and the
+LM step."""
 import pathlib
 
 import pytest
@@ -10,7 +11,7 @@ from multidevice import assert_cases_pass
 CASES = pathlib.Path(__file__).with_name('pipeline_cases.py')
 
 
-@pytest.mark.long
+@pytest.mark.integration
 def test_pipeline_cases_pass_on_eight_devices():
   assert_cases_pass(CASES, marks='not integration')
 
