@@ -160,10 +160,13 @@ _UNITS = {'': 1 / GIB, 'K': 2**10 / GIB, 'M': 2**20 / GIB, 'G': 1.0,
 
 def parse_oom(message: str):
   """``(needed GiB, available GiB)`` from a TPU RESOURCE_EXHAUSTED message,
-  or None. Understands 'Used 20.56G of 15.75G hbm' and 'required for ...
-  (20.56G) exceeds available HBM (15.75G)'."""
+  or None. Understands 'Used 20.56G of 15.75G hbm', 'required for ...
+  (20.56G) exceeds available HBM (15.75G)' and, for pinned host memory,
+  'Allocation (size=<bytes>) would exceed memory (size=<bytes>)'."""
   for pattern in (rf'Used {_SIZE} of {_SIZE} hbm',
-                  rf'\({_SIZE}\) exceeds available \w+ \({_SIZE}\)'):
+                  rf'\({_SIZE}\) exceeds available \w+ \({_SIZE}\)',
+                  rf'Allocation \(size={_SIZE}\) would exceed memory '
+                  rf'\(size={_SIZE}\)'):
     m = re.search(pattern, message)
     if m:
       need, nu, have, hu = m.groups()

@@ -63,6 +63,10 @@ def test_parse_oom_reads_both_tpu_messages():
                        '3.84G.') == pytest.approx((19.59, 15.75))
   assert aot.parse_oom('Used 512.0M of 15.75G hbm') == pytest.approx(
       (0.5, 15.75))
+  assert aot.parse_oom(
+      'RESOURCE_EXHAUSTED: Allocation (size=341449900032) would exceed '
+      'memory (size=137438953472) :: %s0 = inlined_call_operand'
+  ) == pytest.approx((318.0, 128.0), abs=0.01)
   assert aot.parse_oom('INTERNAL: something else') is None
 
 

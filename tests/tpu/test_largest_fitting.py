@@ -70,3 +70,26 @@ def test_refusals_without_figures_and_a_start_that_fits():
   reports = aot.largest_fitting(probe, 8, 40)
   assert aot.fit_bounds(reports) == (96, 104)
   assert aot.fit_bounds({}) == (0, None)
+
+
+def test_host_memory_refusals_locate_the_host_limit():
+  """An offload policy on v5p: HBM refuses far above the host memory's
+  limit (carries of 1/8 GiB in 128 GiB: 1,024 layers), and the compiler
+  checks HBM first. With the host refusals' figures (``parse_oom`` reads
+  them), the search lands on the limit instead of stepping down from the
+  first host refusal one step per compile."""
+  compiled = []
+
+  def probe(n):
+    compiled.append(n)
+    if 1.0 + 0.005 * n > HAVE:
+      return aot.Report(f'n={n}', 1.0, fits=False, needs_gib=1.0 + 0.005 * n,
+                        available_gib=HAVE)
+    if n / 8 > 128.0:
+      return aot.Report(f'n={n}', 90.0, fits=False, needs_gib=n / 8,
+                        available_gib=128.0)
+    return aot.Report(f'n={n}', 100.0)
+
+  reports = aot.largest_fitting(probe, 16, 5408)
+  assert aot.fit_bounds(reports) == (1024, 1040)
+  assert len(compiled) <= 6, compiled
