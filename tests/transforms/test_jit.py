@@ -292,6 +292,23 @@ def test_jit_plain_apply_declines_where_scopes_matter(monkeypatch):
   assert len(runs) == 4  # back on the fast path
 
 
+def test_jit_plain_apply_rekeys_when_interceptors_change():
+  """The fast path keeps its key on the module; an interceptor entered
+  after a hit gets a program traced under it, and leaving it returns to
+  the first program."""
+  model = lnn.jit(lnn.Dense)(3)
+  v = model.init(jax.random.key(0), X4)
+  want = lnn.Dense(3).apply(v, X4)
+  np.testing.assert_array_equal(model.apply(v, X4), want)
+
+  def double(next_fun, args, kwargs, context):
+    return 2 * next_fun(*args, **kwargs)
+
+  with lnn.intercept_methods(double):
+    np.testing.assert_array_equal(model.apply(v, X4), 2 * want)
+  np.testing.assert_array_equal(model.apply(v, X4), want)
+
+
 def test_jit_plain_apply_static_and_keyword_arguments():
   class Net(lnn.Module):
     @lnn.compact
