@@ -138,15 +138,15 @@ def reference(length, variables, x):
 
 
 # stages, microbatches, repeats, data-axis size, policy
-# The first two cover S in {2, 4} and R in {1, 2}; the rest (data axes,
-# policies, more microbatches) run with the integration tests
-# (make test-integration).
+# The first four cover S in {2, 4}, R in {1, 2}, a data axis and a policy;
+# the rest (marked) run in a second process beside the first
+# (test_pipeline.py).
 _MORE = pytest.mark.integration
 MATRIX = [
     (2, 2, 1, 1, None),
+    (2, 4, 1, 4, 'full'),
+    (4, 4, 1, 2, None),
     (4, 4, 2, 1, None),
-    pytest.param(2, 4, 1, 4, 'full', marks=_MORE),
-    pytest.param(4, 4, 1, 2, None, marks=_MORE),
     pytest.param(2, 2, 2, 4, None, marks=_MORE),
     pytest.param(2, 4, 2, 1, 'full', marks=_MORE),
     pytest.param(4, 8, 1, 1, 'full', marks=_MORE),

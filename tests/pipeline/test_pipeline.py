@@ -1,8 +1,8 @@
 """Runs the pipeline cases (pipeline_cases.py) in a fresh process with 8
 simulated CPU devices (see tests/multidevice.py), with the integration
-tests (the core cases' process costs about 45 CPU-seconds, too much for
-make test's budget): the core cases, then the rest of the matrix and the
-LM step."""
+tests (each process costs about 45 CPU-seconds, too much for make test's
+budget): the core cases in one process, the rest of the matrix and the LM
+step in another, so that the two xdist workers run them side by side."""
 import pathlib
 
 import pytest

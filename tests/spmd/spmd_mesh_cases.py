@@ -100,9 +100,7 @@ def test_t5x_params_axes_and_shardings_match_linen(rules):
 # -- sharded init ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize('logical', [
-    pytest.param(True, marks=pytest.mark.integration), False],
-                         ids=['logical', 'mesh'])
+@pytest.mark.parametrize('logical', [True, False], ids=['logical', 'mesh'])
 def test_init_sharded_places_and_equals_unsharded_init(logical):
   mesh = make_mesh()
   model = spmd_model.decoder(nn, logical=logical)
@@ -163,9 +161,7 @@ def opt_shardings(tx, params, param_shardings, mesh):
       transform_non_params=lambda _: NamedSharding(mesh, P()))
 
 
-@pytest.mark.parametrize('logical', [
-    pytest.param(True, marks=pytest.mark.integration), False],
-                         ids=['logical', 'mesh'])
+@pytest.mark.parametrize('logical', [True, False], ids=['logical', 'mesh'])
 def test_sharded_adamw_step_matches_one_device(logical):
   mesh = make_mesh()
   model = spmd_model.decoder(nn, logical=logical)
