@@ -292,14 +292,23 @@ def test_jit_plain_apply_declines_where_scopes_matter(monkeypatch):
   assert len(runs) == 4  # back on the fast path
 
 
-def test_jit_plain_apply_rekeys_when_interceptors_change():
-  """The fast path keeps its key on the module; an interceptor entered
-  after a hit gets a program traced under it, and leaving it returns to
-  the first program."""
+def test_jit_plain_apply_rekeys_when_interceptors_change(monkeypatch):
+  """The fast path fingerprints a module once and keeps the key on it; an
+  interceptor entered after a hit gets a program traced under it (a new
+  key), and leaving it returns to the first program."""
+  from liftmods import transforms
+  fingerprints = []
+  real = transforms._leaf_fingerprint
+  monkeypatch.setattr(transforms, '_leaf_fingerprint',
+                      lambda m: fingerprints.append(1) or real(m))
   model = lnn.jit(lnn.Dense)(3)
   v = model.init(jax.random.key(0), X4)
   want = lnn.Dense(3).apply(v, X4)
-  np.testing.assert_array_equal(model.apply(v, X4), want)
+  np.testing.assert_array_equal(model.apply(v, X4), want)  # compiles
+  first = len(fingerprints)
+  for _ in range(3):
+    np.testing.assert_array_equal(model.apply(v, X4), want)
+  assert len(fingerprints) == first  # hits: the key is kept on the module
 
   def double(next_fun, args, kwargs, context):
     return 2 * next_fun(*args, **kwargs)
