@@ -109,3 +109,18 @@ def assert_matches_linen(program, *args, rtol=None, atol=None, **kwargs):
     assert_close(ours, theirs, rtol=rtol or 0, atol=atol or 0,
                  what='liftmods vs flax.linen')
   return ours
+
+
+def normal(seed, shape, dtype=np.float32, *, scale=1.0, shift=0.0):
+  """A normal test input (``scale * N(0, 1) + shift``) drawn on the host
+  (numpy), as a jax array.
+
+  Module-level inputs use this rather than ``jax.random.normal``: each new
+  shape there is an XLA compile, paid by every xdist worker while it
+  collects the suite.
+
+  >>> normal(0, (2, 3)).shape
+  (2, 3)
+  """
+  x = np.random.default_rng(seed).standard_normal(shape, np.float32)
+  return jax.numpy.asarray((x * scale + shift).astype(dtype))

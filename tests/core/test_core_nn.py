@@ -9,14 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from treecheck import assert_identical, plain
+from treecheck import assert_identical, normal, plain
 
 import liftmods.core as lcore
 import liftmods.core.nn as lcnn
 
 
 def rand(seed, shape):
-  return jax.random.normal(jax.random.key(seed), shape)
+  return normal(seed, shape)
 
 
 def both(name, *args, rngs=None, mutable=False, **kwargs):

@@ -236,20 +236,24 @@ def test_activation_outputs_identical_bfloat16_jit(name):
 # dtypes
 # --------------------------------------------------------------------------
 
+def _ones(dtype):  # host-made: an eager jnp.ones compiles once per dtype
+  return jnp.asarray(np.ones(2, dtype))
+
+
 DTYPE_CASES = [
-    ((jnp.ones(2, jnp.int32),), {}),
-    ((jnp.ones(2, jnp.int32), jnp.ones(2, jnp.float16)), {}),
-    ((jnp.ones(2, jnp.bfloat16), 1.0, None), {}),
-    ((jnp.ones(2, jnp.bfloat16), jnp.ones(2, jnp.float16)), {}),
-    ((jnp.ones(2, jnp.int8), 3), dict(inexact=False)),
-    ((jnp.ones(2, bool),), {}),
-    ((jnp.ones(2, bool),), dict(inexact=False)),
-    ((jnp.ones(2, jnp.complex64), jnp.ones(2)), {}),
-    ((jnp.ones(2, jnp.int32), None), dict(dtype=jnp.bfloat16)),
-    ((jnp.ones(2, jnp.float32),), dict(dtype=jnp.int32, inexact=False)),
+    ((_ones(jnp.int32),), {}),
+    ((_ones(jnp.int32), _ones(jnp.float16)), {}),
+    ((_ones(jnp.bfloat16), 1.0, None), {}),
+    ((_ones(jnp.bfloat16), _ones(jnp.float16)), {}),
+    ((_ones(jnp.int8), 3), dict(inexact=False)),
+    ((_ones(bool),), {}),
+    ((_ones(bool),), dict(inexact=False)),
+    ((_ones(jnp.complex64), _ones(jnp.float32)), {}),
+    ((_ones(jnp.int32), None), dict(dtype=jnp.bfloat16)),
+    ((_ones(jnp.float32),), dict(dtype=jnp.int32, inexact=False)),
     ((None, np.float64(2.0), np.arange(3)), {}),
     ((1, 2.5), {}),
-    ((jnp.ones(2, jnp.uint8),), {}),
+    ((_ones(jnp.uint8),), {}),
 ]
 
 
@@ -280,8 +284,8 @@ def test_dtype_explicit_dtype_returned_unchanged():
 
 
 @pytest.mark.parametrize('args,kwargs', [
-    ((jnp.ones(2),), dict(dtype=jnp.int32)),
-    ((jnp.ones(2),), dict(dtype=bool)),
+    ((_ones(jnp.float32),), dict(dtype=jnp.int32)),
+    ((_ones(jnp.float32),), dict(dtype=bool)),
     ((), {}),
 ])
 def test_dtype_errors_match(args, kwargs):

@@ -28,11 +28,12 @@ import liftmods as lnn
 import liftmods.core
 from liftmods import errors
 from liftmods import module as module_lib
+from treecheck import normal
 
 BACKENDS = (fnn, lnn)
 CORE = {fnn: flax.core, lnn: liftmods.core}
 KEY = jax.random.key(0)
-X = jax.random.normal(jax.random.key(1), (2, 3))
+X = normal(1, (2, 3))
 
 
 def _flat(tree):

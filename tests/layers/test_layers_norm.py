@@ -35,8 +35,7 @@ LAYER_NAMES = ('BatchNorm', 'LayerNorm', 'RMSNorm', 'GroupNorm',
 
 
 def rand(seed, shape, dtype=jnp.float32):
-  x = jax.random.normal(jax.random.key(seed), shape, jnp.float32) * 2 + 0.5
-  return x.astype(dtype)
+  return treecheck.normal(seed, shape, dtype, scale=2, shift=0.5)
 
 
 X4 = rand(0, (2, 3, 4, 6))

@@ -22,9 +22,10 @@ import pytest
 
 import liftmods as lnn
 import liftmods.core
+from treecheck import normal
 
 SEEDS = (0, 1, 42)
-X = jax.random.normal(jax.random.key(123), (2, 3))
+X = normal(123, (2, 3))
 BACKENDS = (fnn, lnn)
 CORE = {fnn: flax.core, lnn: liftmods.core}
 

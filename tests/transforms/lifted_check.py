@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import liftmods as lnn
-from treecheck import assert_close, assert_identical
+from treecheck import assert_close, assert_identical, normal
 
 SEEDS = (0, 1)
 BACKENDS = (fnn, lnn)
@@ -166,7 +166,7 @@ def shapes(tree):
   return jax.tree_util.tree_map(lambda x: tuple(np.shape(x)), unbox(tree))
 
 
-X4 = jax.random.normal(jax.random.key(7), (4, 3))
+X4 = normal(7, (4, 3))
 
 
 def mlp(nn):
@@ -206,8 +206,8 @@ def block(nn, features=3):
       c = nn.tanh(h) + c
       return c, h * 2
   return Block
-C0 = jax.random.normal(jax.random.key(21), (2, 3))
-XS = jax.random.normal(jax.random.key(22), (4, 2, 2))
+C0 = normal(21, (2, 3))
+XS = normal(22, (4, 2, 2))
 
 
 def dropout_block(nn):

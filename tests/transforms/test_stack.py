@@ -17,7 +17,7 @@ from liftmods import errors
 from liftmods import stack as stack_lib
 from liftmods.core.rng_counters import RngReplay
 from liftmods.stack import StackOffloadWarning
-from treecheck import assert_close, assert_identical
+from treecheck import assert_close, assert_identical, normal
 
 
 def blocks(nn):
@@ -66,7 +66,7 @@ class Tiny(lnn.Module):
     h = jax.ad_checkpoint.checkpoint_name(h, 'mlp_up')
     return x + lnn.Dense(x.shape[-1])(h)
 L, H = 5, 4
-X = jax.random.normal(jax.random.key(1), (3, H))
+X = normal(1, (3, H))
 KEY = jax.random.key(0)
 
 

@@ -29,7 +29,7 @@ import pytest
 import liftmods as lnn
 import liftmods.core
 import liftmods.core.lift
-from treecheck import assert_close, assert_identical
+from treecheck import assert_close, assert_identical, normal
 
 SEEDS = (0, 1)
 BACKENDS = (fnn, lnn)
@@ -126,7 +126,7 @@ def check_module(make, init_args, apply_cases=None, *, mutable=False,
 
 # -- vmap ------------------------------------------------------------------------
 
-XB = jax.random.normal(jax.random.key(7), (4, 5))
+XB = normal(7, (4, 5))
 
 
 def test_vmap_unshared_params():
@@ -249,7 +249,7 @@ def test_remat_scan_big_model():
 
 # -- scan ------------------------------------------------------------------------
 
-XS = jax.random.normal(jax.random.key(11), (4, 12, 7))
+XS = normal(11, (4, 12, 7))
 
 
 def test_scan_lstm_class():
