@@ -33,8 +33,7 @@ def xla_compilation_cache(tmp_path_factory):
   modules are the same (the cache key leaves out source locations) the
   second compile is a cache hit. The executable is the one the second
   compile would have built, so nothing compared changes; the suite spends
-  about a third less CPU on those tests. The lifted-transform tests'
-  ``fast_compiles`` fixture uses it too. Not shared between workers: the
+  about a third less CPU on those tests. Not shared between workers: the
   cache key includes the directory, and a shared one needs jax's file lock,
   whose size accounting (a scan of the directory on every write) left the
   workers idle a third of the time in a trial.
@@ -55,6 +54,21 @@ def xla_compilation_cache(tmp_path_factory):
   for k, v in before.items():
     jax.config.update(k, v)
   cc.reset_cache()
+
+
+@pytest.fixture(scope='module')
+def fast_compiles():
+  """For a test module whose time goes to compiling many small programs
+  rather than running them: XLA skips most optimizations while it runs
+  (restored after). Programs compared with each other are compiled alike,
+  so what a test compares does not change; the modules that use it save
+  15-30% of their CPU. Not for tests that compare liftmods' optimized
+  programs bit for bit with hand-written ones (the stack tests: an unrolled
+  stack differs from a scan in the last bit without the optimizations)."""
+  old = jax.config.read('jax_disable_most_optimizations')
+  jax.config.update('jax_disable_most_optimizations', True)
+  yield
+  jax.config.update('jax_disable_most_optimizations', old)
 
 
 def pytest_collection_modifyitems(items):

@@ -23,6 +23,8 @@ from liftmods.core import lift as llift
 from liftmods.core import meta as lmeta
 import treecheck
 
+pytestmark = pytest.mark.usefixtures('fast_compiles')
+
 FLAX = dict(lift=flift, init=finit, apply=fapply, meta=fmeta,
             broadcast=faxes_scan.broadcast)
 OURS = dict(lift=llift, init=linit, apply=lapply, meta=lmeta,

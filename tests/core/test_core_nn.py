@@ -14,6 +14,8 @@ from treecheck import assert_identical, normal, plain
 import liftmods.core as lcore
 import liftmods.core.nn as lcnn
 
+pytestmark = pytest.mark.usefixtures('fast_compiles')
+
 
 def rand(seed, shape):
   return normal(seed, shape)

@@ -20,6 +20,8 @@ from examples.lm.model import Config, TransformerLM
 from examples.lm.train import (TrainConfig, generate, key_bias_mask,
                                make_optimizer, train)
 
+pytestmark = pytest.mark.usefixtures('fast_compiles')
+
 TINY = TrainConfig(
     model=Config(max_len=32, num_layers=2, num_heads=2, d_model=32),
     steps=16, batch_size=8, learning_rate=1e-2, warmup_steps=4,

@@ -24,6 +24,8 @@ from liftmods import activation, attention_fns, errors, initializers, module
 from liftmods.layers import (activation_modules, attention, linear,
                              normalization, recurrent, stochastic)
 
+pytestmark = pytest.mark.usefixtures('fast_compiles')
+
 SEEDS = [0, 1, 7]
 
 

@@ -23,6 +23,8 @@ import treecheck
 from liftmods import errors, module as lmodule
 from liftmods.layers import combinators, normalization, stochastic
 
+pytestmark = pytest.mark.usefixtures('fast_compiles')
+
 LM = SimpleNamespace(
     Module=lmodule.Module, compact=lmodule.compact,
     BatchNorm=normalization.BatchNorm, LayerNorm=normalization.LayerNorm,

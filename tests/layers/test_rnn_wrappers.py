@@ -11,6 +11,8 @@ import liftmods as lnn
 from liftmods.layers import recurrent
 from treecheck import assert_identical
 
+pytestmark = pytest.mark.usefixtures('fast_compiles')
+
 BOTH = pytest.mark.parametrize('nn', [fnn, lnn], ids=['flax', 'liftmods'])
 
 

@@ -11,9 +11,8 @@
 Init runs eagerly (as user code does); the apply/gradient comparisons run
 under ``jax.jit`` (compiled once per library and input case); a few tests
 also compare eager applies and jitted inits. The ``fast_compiles`` fixture
-(``conftest.py`` here) turns off most XLA optimizations and enables a
-throw-away persistent compilation cache for speed (same settings for both
-libraries; nothing compared depends on them).
+(``tests/conftest.py``) turns off most XLA optimizations for speed (same
+settings for both libraries; nothing compared depends on them).
 
 The test files next to this one hold one transform family each.
 """

@@ -14,18 +14,11 @@ import pytest
 import liftmods as lnn
 from liftmods import errors
 
+pytestmark = pytest.mark.usefixtures('fast_compiles')
+
 # Flax's own reaction to the same mistake: a JAX TypeError/ValueError or a
 # flax.errors.FlaxError.
 FLAX_REJECTS = (TypeError, ValueError, flax.errors.FlaxError)
-
-
-@pytest.fixture(scope='module', autouse=True)
-def _fast_compiles():
-  """Tiny programs: skip most XLA optimizations to keep compiles cheap."""
-  old = jax.config.read('jax_disable_most_optimizations')
-  jax.config.update('jax_disable_most_optimizations', True)
-  yield
-  jax.config.update('jax_disable_most_optimizations', old)
 
 
 def _flax_rejects(fn):

@@ -31,6 +31,8 @@ import liftmods.core
 import liftmods.core.lift
 from treecheck import assert_close, assert_identical, normal
 
+pytestmark = pytest.mark.usefixtures('fast_compiles')
+
 SEEDS = (0, 1)
 BACKENDS = (fnn, lnn)
 CORE = {fnn: flax.core, lnn: liftmods.core}
