@@ -528,6 +528,7 @@ def sweep_main():
       continue  # remat_scan: not compiled (see compile_row)
     reports = aot.largest_fitting(sweep_probe(spec), step, first)
     rows.append(format_sweep(spec, reports))
+    print(rows[-1], flush=True)  # kept if a long search is stopped later
     seconds += compile_seconds(reports)
   print(f'\nLargest fitting layer count (steps of {step}), {size} width on '
         f'{topology}, {F.sharding}, {F.chip_batch} sequences per chip; peak '
