@@ -22,6 +22,12 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SKIP_MARKER = '# doctest: skip'
+# Blocks run by `make test-integration` instead of `make test`, found by a
+# line they contain (so the markdown stays clean), with the reason.
+INTEGRATION_BLOCKS = {
+    'def temp_bytes(length, batch, policy):':
+        "stacks.md's memory table compiles ten gradient programs (16 CPU-s)",
+}
 
 # A fence line: ``` plus an optional language. Blocks run from an opening
 # fence to the next bare ``` line; only python/py blocks are collected.
@@ -99,6 +105,8 @@ def _collect():
       if first == SKIP_MARKER:
         marks = (pytest.mark.skip(reason=f'{rel}:{n} is marked '
                                   f'"{SKIP_MARKER}"'),)
+      elif any(line_ in code for line_ in INTEGRATION_BLOCKS):
+        marks = (pytest.mark.integration,)
       params.append(pytest.param(str(rel), line, code, stated, marks=marks,
                                  id=f'{_label(rel)}:{n}'))
   return params
@@ -110,6 +118,13 @@ BLOCKS = _collect()
 def test_docs_have_python_blocks():
   assert any(p.values[0].startswith('docs') for p in BLOCKS), (
       'no ```python blocks found under docs/')
+
+
+@pytest.mark.parametrize('line', INTEGRATION_BLOCKS)
+def test_integration_blocks_exist(line):
+  """Each entry still selects exactly one block (an edited block would
+  otherwise quietly move back to make test, or out of both runs' view)."""
+  assert sum(line in p.values[2] for p in BLOCKS) == 1, line
 
 
 def _lines(text):

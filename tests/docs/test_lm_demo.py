@@ -51,6 +51,7 @@ def test_data_split_is_disjoint_and_bytes():
   assert b.shape == (3, 17) and b.dtype == np.int32
 
 
+@pytest.mark.integration  # trains the demo (the runs below reuse `straight`)
 def test_loss_decreases(straight):
   train_losses = [loss for _, loss in straight['history']['train']]
   eval_steps, eval_losses = zip(*straight['history']['eval'])
@@ -80,6 +81,7 @@ def test_resume_is_bit_identical(straight, tmp_path):
   assert resumed['sample'] == straight['sample']
 
 
+@pytest.mark.integration
 def test_sampling(straight):
   sample = straight['sample']
   assert sample.startswith(TINY.prompt)

@@ -693,6 +693,7 @@ def test_partitioned_leaves_are_shape_checked_unboxed():
 # -- the example ------------------------------------------------------------------------
 
 
+@pytest.mark.integration  # the example end to end: pretrain, then finetune
 def test_finetune_example_runs_and_freezes_bit_exactly():
   from examples import finetune
   out = finetune.main(['--pretrain_steps=3', '--finetune_steps=3',
