@@ -17,10 +17,6 @@ import liftmods.core.nn as lcnn
 pytestmark = pytest.mark.usefixtures('fast_compiles')
 
 
-def rand(seed, shape):
-  return normal(seed, shape)
-
-
 def both(name, *args, rngs=None, mutable=False, **kwargs):
   """init then apply of ``nn.<name>`` under flax.core and liftmods.core;
   asserts identical variables and outputs."""
@@ -36,7 +32,7 @@ def both(name, *args, rngs=None, mutable=False, **kwargs):
   return outs[1]
 
 
-X = rand(0, (2, 3, 4))
+X = normal(0, (2, 3, 4))
 
 
 @pytest.mark.parametrize('kwargs', [
@@ -56,7 +52,7 @@ def test_dense_general_batch_dims_error():
 def test_dense_conv_conv_transpose():
   both('dense', X, 3)
   both('dense', X, 3, bias=False, dtype=jnp.bfloat16)
-  img = rand(1, (2, 5, 5, 3))
+  img = normal(1, (2, 5, 5, 3))
   both('conv', img, 4, (3, 3), strides=(2, 1), padding='VALID')
   both('conv', img, 6, (2, 2), feature_group_count=3, kernel_dilation=(2, 1))
   both('conv_transpose', img, 2, (3, 3), strides=(2, 2))
@@ -86,7 +82,7 @@ def test_batch_norm(kwargs):
 def test_layer_norm_group_norm():
   both('layer_norm', X)
   both('layer_norm', X, bias=False, dtype=jnp.float16)
-  img = rand(2, (2, 3, 3, 4))
+  img = normal(2, (2, 3, 3, 4))
   both('group_norm', img, num_groups=2)
   both('group_norm', img, num_groups=None, group_size=1, scale=False)
   for nn, core in ((fcnn, fcore), (lcnn, lcore)):
@@ -103,7 +99,7 @@ def test_dropout():
 
 
 def test_dot_product_attention():
-  q, k, v = rand(3, (2, 4, 2, 3)), rand(4, (2, 4, 2, 3)), rand(5, (2, 4, 2, 3))
+  q, k, v = (normal(seed, (2, 4, 2, 3)) for seed in (3, 4, 5))
   both('dot_product_attention', q, k, v)
   both('dot_product_attention', q, k, v, dropout_rate=0.3,
        broadcast_dropout=False)
@@ -117,12 +113,12 @@ def test_dot_product_attention():
          segmentation=jnp.array([[1, 1, 2, 2, 2], [1, 1, 1, 1, 1]])[..., None]),
 ])
 def test_multi_head_attention(kwargs):
-  x = rand(6, (2, 5, 4))
+  x = normal(6, (2, 5, 4))
   both('multi_head_dot_product_attention', x, None, **kwargs)
 
 
 def test_multi_head_attention_decoding_cache():
-  x = rand(7, (2, 3, 4))
+  x = normal(7, (2, 3, 4))
   results = []
   for core, nn in ((fcore, fcnn), (lcore, lcnn)):
     fn = lambda scope, x: nn.multi_head_dot_product_attention(

@@ -23,11 +23,11 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SKIP_MARKER = '# doctest: skip'
 # Blocks run by `make test-integration` instead of `make test`, found by a
-# line they contain (so the markdown stays clean), with the reason.
-INTEGRATION_BLOCKS = {
-    'def temp_bytes(length, batch, policy):':
-        "stacks.md's memory table compiles ten gradient programs (16 CPU-s)",
-}
+# line they contain (so the markdown stays clean).
+INTEGRATION_BLOCKS = (
+    # stacks.md's memory table: ten gradient compiles, 16 CPU-s
+    'def temp_bytes(length, batch, policy):',
+)
 
 # A fence line: ``` plus an optional language. Blocks run from an opening
 # fence to the next bare ``` line; only python/py blocks are collected.
