@@ -7,8 +7,9 @@ that a test file can use ``benchmarks``, ``examples`` and the comparison
 helpers in ``tests/treecheck.py`` (bit-exact tree equality, allclose with
 stated tolerances, and the flax-oracle runner); they live in a module of
 their own because ``import conftest`` is ambiguous once a test folder has a
-``conftest.py`` of its own. It also gives every run a throw-away persistent
-XLA compilation cache (below).
+``conftest.py`` of its own. It also sets XLA flags that make compiles
+cheaper and gives every run a throw-away persistent XLA compilation cache
+(below).
 """
 import os
 import pathlib
@@ -23,6 +24,24 @@ ROOT = TESTS.parent
 for _path in (str(TESTS), str(ROOT)):
   if _path not in sys.path:
     sys.path.insert(0, _path)
+
+# Two XLA CPU settings that only change how fast programs compile: the
+# legacy elemental emitters instead of the fusion emitters, and one LLVM
+# module per program instead of several compiled in parallel (the two
+# xdist workers already use both cores). Most of the suite's time is XLA
+# compiling small programs; with these the suite takes about a quarter less
+# time (make test 555 -> 427 s on the 2-core machine). Every program of a
+# run is compiled alike, so what a test compares does not change.
+# Subprocesses started by tests inherit them. Set before JAX creates its CPU
+# client (jax reads XLA_FLAGS then); ``LIFTMODS_TEST_XLA_FLAGS=0`` leaves
+# XLA_FLAGS alone (e.g. for a jaxlib that no longer knows one of them: XLA
+# stops on an unknown flag).
+FAST_COMPILE_FLAGS = ('--xla_cpu_use_fusion_emitters=false '
+                      '--xla_cpu_parallel_codegen_split_count=1')
+if (os.environ.get('LIFTMODS_TEST_XLA_FLAGS') != '0'
+    and FAST_COMPILE_FLAGS not in os.environ.get('XLA_FLAGS', '')):
+  os.environ['XLA_FLAGS'] = ' '.join(
+      filter(None, (os.environ.get('XLA_FLAGS'), FAST_COMPILE_FLAGS)))
 
 
 @pytest.fixture(scope='session', autouse=True)
@@ -58,17 +77,11 @@ def xla_compilation_cache(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def fast_compiles():
-  """For a test module whose time goes to compiling many small programs
-  rather than running them: XLA skips most optimizations while it runs
-  (restored after). Programs compared with each other are compiled alike,
-  so what a test compares does not change; the modules that use it save
-  15-30% of their CPU. Not for tests that compare liftmods' optimized
-  programs bit for bit with hand-written ones (the stack tests: an unrolled
-  stack differs from a scan in the last bit without the optimizations)."""
-  old = jax.config.read('jax_disable_most_optimizations')
-  jax.config.update('jax_disable_most_optimizations', True)
-  yield
-  jax.config.update('jax_disable_most_optimizations', old)
+  """``treecheck.fast_compiles`` for a whole test module (``pytestmark =
+  pytest.mark.usefixtures('fast_compiles')``)."""
+  import treecheck  # pylint: disable=import-outside-toplevel
+  with treecheck.fast_compiles():
+    yield
 
 
 def pytest_collection_modifyitems(items):

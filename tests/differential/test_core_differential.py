@@ -15,6 +15,8 @@ from liftmods import core as lcore
 from liftmods.core import meta as lmeta
 import treecheck
 
+pytestmark = pytest.mark.usefixtures('fast_compiles')
+
 SEEDS = [0, 1, 2, 42]
 KEY_MAKERS = {'typed': jax.random.key, 'raw': jax.random.PRNGKey}
 

@@ -23,6 +23,8 @@ from hypothesis import given, settings, strategies as st
 from liftmods import activation, attention_fns, dtypes, initializers, pooling
 from treecheck import assert_identical
 
+pytestmark = pytest.mark.usefixtures('fast_compiles')
+
 
 def rand(seed, shape, dtype=jnp.float32, scale=3.0):
   """Test input from numpy's RNG (jax's samplers are slow to compile)."""

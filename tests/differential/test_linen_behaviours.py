@@ -30,6 +30,8 @@ from liftmods import errors
 from liftmods import module as module_lib
 from treecheck import normal
 
+pytestmark = pytest.mark.usefixtures('fast_compiles')
+
 BACKENDS = (fnn, lnn)
 CORE = {fnn: flax.core, lnn: liftmods.core}
 KEY = jax.random.key(0)

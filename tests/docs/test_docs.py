@@ -19,6 +19,7 @@ import re
 import warnings
 
 import pytest
+from treecheck import fast_compiles
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SKIP_MARKER = '# doctest: skip'
@@ -137,8 +138,12 @@ def test_doc_block(path, line, code, stated):
   compiled = compile('\n' * (line - 1) + code, str(ROOT / path), 'exec')
   namespace = {'__name__': '__main__', '__file__': str(ROOT / path)}
   printed = io.StringIO()
+  # The integration blocks report memory figures, which need the optimized
+  # programs; every other block is small programs compiled once.
+  integration = any(line_ in code for line_ in INTEGRATION_BLOCKS)
   with warnings.catch_warnings(record=True) as caught, \
-      contextlib.redirect_stdout(printed):
+      contextlib.redirect_stdout(printed), \
+      (contextlib.nullcontext() if integration else fast_compiles()):
     warnings.simplefilter('always')
     exec(compiled, namespace)  # pylint: disable=exec-used
   escaped = [f'{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})'

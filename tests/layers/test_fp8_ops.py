@@ -15,6 +15,8 @@ from flax.linen import fp8_ops as ffp8
 import liftmods as lnn
 from liftmods import fp8_ops as lfp8
 
+pytestmark = pytest.mark.usefixtures('fast_compiles')
+
 OWG = '_overwrite_with_gradient'
 DIMS = (((1,), (0,)), ((), ()))
 

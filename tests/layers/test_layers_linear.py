@@ -25,6 +25,8 @@ from liftmods import module as lmodule
 from liftmods.core import meta as lmeta
 from liftmods.layers import linear
 
+pytestmark = pytest.mark.usefixtures('fast_compiles')
+
 LAYERS = ('Dense', 'DenseGeneral', 'Einsum', 'Conv', 'ConvLocal',
           'ConvTranspose', 'Embed')
 

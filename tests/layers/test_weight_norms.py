@@ -12,6 +12,8 @@ from treecheck import assert_identical, plain
 import liftmods as lnn
 from liftmods.layers import weight_norms
 
+pytestmark = pytest.mark.usefixtures('fast_compiles')
+
 
 def rand(seed, shape):
   return jax.random.normal(jax.random.key(seed), shape)

@@ -24,6 +24,8 @@ import liftmods as lnn
 import liftmods.core
 from treecheck import normal
 
+pytestmark = pytest.mark.usefixtures('fast_compiles')
+
 SEEDS = (0, 1, 42)
 X = normal(123, (2, 3))
 BACKENDS = (fnn, lnn)

@@ -21,6 +21,8 @@ import liftmods as nn
 from liftmods import precision as precision_lib
 from liftmods.module import active_interceptors
 
+pytestmark = pytest.mark.usefixtures('fast_compiles')
+
 BF16, F32 = jnp.bfloat16, jnp.float32
 MIXED = nn.Precision(compute_dtype=BF16, param_dtype=F32, output_dtype=F32)
 THREADED = {'dtype': BF16, 'param_dtype': F32}
