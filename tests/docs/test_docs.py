@@ -94,6 +94,10 @@ def _label(rel: pathlib.Path) -> str:
   return rel.name
 
 
+def _is_integration(code):
+  return any(line_ in code for line_ in INTEGRATION_BLOCKS)
+
+
 def _collect():
   params = []
   for path in _doc_files():
@@ -106,7 +110,7 @@ def _collect():
       if first == SKIP_MARKER:
         marks = (pytest.mark.skip(reason=f'{rel}:{n} is marked '
                                   f'"{SKIP_MARKER}"'),)
-      elif any(line_ in code for line_ in INTEGRATION_BLOCKS):
+      elif _is_integration(code):
         marks = (pytest.mark.integration,)
       params.append(pytest.param(str(rel), line, code, stated, marks=marks,
                                  id=f'{_label(rel)}:{n}'))
@@ -140,10 +144,10 @@ def test_doc_block(path, line, code, stated):
   printed = io.StringIO()
   # The integration blocks report memory figures, which need the optimized
   # programs; every other block is small programs compiled once.
-  integration = any(line_ in code for line_ in INTEGRATION_BLOCKS)
   with warnings.catch_warnings(record=True) as caught, \
       contextlib.redirect_stdout(printed), \
-      (contextlib.nullcontext() if integration else fast_compiles()):
+      (contextlib.nullcontext() if _is_integration(code)
+       else fast_compiles()):
     warnings.simplefilter('always')
     exec(compiled, namespace)  # pylint: disable=exec-used
   escaped = [f'{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})'
