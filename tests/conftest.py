@@ -43,6 +43,9 @@ if (os.environ.get('LIFTMODS_TEST_XLA_FLAGS') != '0'
   os.environ['XLA_FLAGS'] = ' '.join(
       filter(None, (os.environ.get('XLA_FLAGS'), FAST_COMPILE_FLAGS)))
 
+# Importable once tests/ is on sys.path (above); imports no backend.
+import treecheck  # pylint: disable=wrong-import-position
+
 
 @pytest.fixture(scope='session', autouse=True)
 def xla_compilation_cache(tmp_path_factory):
@@ -79,7 +82,6 @@ def xla_compilation_cache(tmp_path_factory):
 def fast_compiles():
   """``treecheck.fast_compiles`` for a whole test module (``pytestmark =
   pytest.mark.usefixtures('fast_compiles')``)."""
-  import treecheck  # pylint: disable=import-outside-toplevel
   with treecheck.fast_compiles():
     yield
 

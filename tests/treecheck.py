@@ -129,23 +129,27 @@ def normal(seed, shape, dtype=np.float32, *, scale=1.0, shift=0.0):
 
 
 @contextlib.contextmanager
-def fast_compiles():
-  """XLA skips most optimizations inside (the setting is restored after):
-  for tests whose time goes to compiling many small programs rather than
-  running them. Programs compared with each other are compiled alike, so
-  what a test compares does not change; such tests spend 15-30% less CPU.
-  Not for tests that compare liftmods' optimized programs bit for bit with
-  hand-written ones (the stack tests: an unrolled stack differs from a scan
-  in the last bit without the optimizations), nor for memory figures.
+def fast_compiles(enabled=True):
+  """XLA skips most optimizations inside (``enabled=False``: XLA optimizes
+  inside); the setting is restored after. For tests whose time goes to
+  compiling many small programs rather than running them. Programs compared
+  with each other are compiled alike, so what a test compares does not
+  change; the modules measured spent 11-26% less time. Not for tests that
+  compare liftmods' optimized programs bit for bit with hand-written ones
+  (the stack tests: an unrolled stack differs from a scan in the last bit
+  without the optimizations), nor for memory figures.
 
-  JAX's in-memory caches do not key on the setting, so they are emptied on
-  the way in and out: otherwise an unoptimized executable (say the eager
-  ``jax.random.normal`` of one shape, whose last bits differ from the
-  optimized one's) would serve a later test that expects optimized
-  programs. The optimized ones come back from the persistent cache."""
+  JAX's in-memory caches do not key on the setting, so they are emptied
+  whenever it changes, on the way in and out: otherwise an executable built
+  under one setting (say the eager ``jax.random.normal`` of one shape, whose
+  last bits differ between the two) would serve a program compared with one
+  built under the other. Executables come back from the persistent cache."""
   old = jax.config.read('jax_disable_most_optimizations')
+  if old == enabled:
+    yield
+    return
   jax.clear_caches()
-  jax.config.update('jax_disable_most_optimizations', True)
+  jax.config.update('jax_disable_most_optimizations', enabled)
   try:
     yield
   finally:

@@ -21,6 +21,10 @@ import warnings
 import pytest
 from treecheck import fast_compiles
 
+# Doc blocks are small programs compiled once; the memory table below turns
+# the optimizations back on.
+pytestmark = pytest.mark.usefixtures('fast_compiles')
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SKIP_MARKER = '# doctest: skip'
 # Blocks run by `make test-integration` instead of `make test`, found by a
@@ -142,12 +146,10 @@ def test_doc_block(path, line, code, stated):
   compiled = compile('\n' * (line - 1) + code, str(ROOT / path), 'exec')
   namespace = {'__name__': '__main__', '__file__': str(ROOT / path)}
   printed = io.StringIO()
-  # The integration blocks report memory figures, which need the optimized
-  # programs; every other block is small programs compiled once.
+  # The integration blocks report memory figures of optimized programs.
   with warnings.catch_warnings(record=True) as caught, \
       contextlib.redirect_stdout(printed), \
-      (contextlib.nullcontext() if _is_integration(code)
-       else fast_compiles()):
+      fast_compiles(enabled=not _is_integration(code)):
     warnings.simplefilter('always')
     exec(compiled, namespace)  # pylint: disable=exec-used
   escaped = [f'{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})'
