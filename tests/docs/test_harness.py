@@ -19,26 +19,25 @@ def _scanned():
   return np.asarray(jax.jit(lambda ks: jax.lax.scan(body, 0, ks)[1])(KEYS))
 
 
-def test_fast_compiles_leaves_no_unoptimized_executable_behind():
+def _under(fast, fn):
+  with fast_compiles(enabled=fast):
+    return fn()
+
+
+def _skip_if_same(optimized, unoptimized):
   # Unoptimized, the eager draw differs from the optimized one in the last
-  # bit for some keys; after the block, eager and scanned agree again.
-  with fast_compiles():
-    unoptimized = _eager()
-  eager, scanned = _eager(), _scanned()
-  np.testing.assert_array_equal(eager, scanned)
-  if not (unoptimized != eager).any():
-    pytest.skip('this jaxlib draws the same bits unoptimized: nothing shown')
+  # bit for some keys; a jaxlib where it does not leaves nothing to show.
+  if not (optimized != unoptimized).any():
+    pytest.skip('this jaxlib draws the same bits unoptimized')
 
 
-def test_fast_compiles_builds_its_own_executables():
-  # An optimized eager draw compiled before the block does not serve the
-  # block, where eager and scanned are both unoptimized and agree.
-  optimized = _eager()
-  with fast_compiles():
-    eager, scanned = _eager(), _scanned()
+@pytest.mark.parametrize('fast_first', [True, False],
+                         ids=['fast-then-optimized', 'optimized-then-fast'])
+def test_a_setting_never_runs_the_other_settings_executables(fast_first):
+  earlier = _under(fast_first, _eager)  # compiled and cached first
+  eager, scanned = _under(not fast_first, lambda: (_eager(), _scanned()))
   np.testing.assert_array_equal(eager, scanned)
-  if not (optimized != eager).any():
-    pytest.skip('this jaxlib draws the same bits unoptimized: nothing shown')
+  _skip_if_same(earlier, eager)
 
 
 def test_optimizations_back_on_inside_a_fast_block():
@@ -49,5 +48,4 @@ def test_optimizations_back_on_inside_a_fast_block():
     with fast_compiles(enabled=False):
       np.testing.assert_array_equal(_eager(), optimized)
     np.testing.assert_array_equal(_eager(), unoptimized)
-  if not (optimized != unoptimized).any():
-    pytest.skip('this jaxlib draws the same bits unoptimized: nothing shown')
+  _skip_if_same(optimized, unoptimized)
