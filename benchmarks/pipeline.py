@@ -13,6 +13,9 @@ Runs on 8 simulated CPU devices (set before JAX starts)::
 - ``memory``: per-device bytes of parameters, Adam state and the train
   step's temporaries (XLA's memory analysis) by S, M, R and policy, next to
   the unpipelined stack on one device.
+- ``placement``: per-device parameter bytes from ``nn.init_sharded`` of a
+  pipelined stack whose block annotates its kernel and bias, its kernel
+  only, or nothing; next to the bytes the annotations alone would give.
 - ``compile``: trace+lower and compile seconds of the train step, pipelined
   and unpipelined, for growing L (both loop over layers: flat in L).
 - ``tpu`` (with ``--topology``, ``benchmarks/aot.py``): the train step
@@ -36,6 +39,7 @@ if __name__ == '__main__':
                              ' --xla_force_host_platform_device_count=8')
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import math
 import statistics
 import time
 
@@ -46,8 +50,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+import numpy as np
+
 import liftmods as nn
 from benchmarks import aot
+from liftmods import sharded_init
 
 flags.DEFINE_list('sections', ['bubble', 'memory', 'compile'],
                   'which sections to run')
@@ -184,6 +191,53 @@ def memory():
              nn.Stack(Block, length, pipeline=pipe)(hidden), 4, x, tx)
 
 
+class Annotated(nn.Module):
+  """A residual Dense block; ``annotate``: which variables carry logical
+  names ('both', 'kernel' or 'none')."""
+  annotate: str
+
+  @nn.compact
+  def __call__(self, x):
+    kernel_init = nn.initializers.lecun_normal()
+    bias_init = nn.initializers.zeros_init()
+    if self.annotate != 'none':
+      kernel_init = nn.with_logical_partitioning(kernel_init,
+                                                 ('embed', 'mlp'))
+    if self.annotate == 'both':
+      bias_init = nn.with_logical_partitioning(bias_init, ('mlp',))
+    return x + nn.Dense(x.shape[-1], kernel_init=kernel_init,
+                        bias_init=bias_init)(x)
+
+
+def placement():
+  """Per-device parameter bytes of a pipelined stack from nn.init_sharded,
+  for three annotation cases, next to what the annotations alone give."""
+  stages, length, width = 4, 8, 32
+  print(f'\nPer-device parameter bytes, S={stages}, L={length}, Dense '
+        f'{width}x{width}, rules (layers->stage, embed/mlp->None)')
+  print(f'  {"annotated":<18}{"stack total":>12}{"per device":>12}'
+        f'{"by annotations alone":>22}')
+  mesh = stage_mesh(stages)
+  rules = (('layers', 'stage'), ('embed', None), ('mlp', None))
+  x = jnp.ones((8, width))
+  device = jax.devices()[0]
+  for annotate in ('both', 'kernel', 'none'):
+    pipe = nn.Pipeline(stages=stages, microbatches=4)
+    stack = nn.Stack(Annotated, length, pipeline=pipe)(annotate)
+    variables, _ = nn.init_sharded(stack, mesh, rules, warn_unmapped=False)(
+        jax.random.key(0), x)
+    boxed = jax.eval_shape(stack.init, jax.random.key(0), x)
+    alone = sharded_init.mesh_shardings(boxed, mesh, rules)
+    naive = sum(
+        math.prod(s.shard_shape(np.shape(nn.unbox(b))))
+        * 4 for b, s in zip(
+            jax.tree_util.tree_leaves(boxed, is_leaf=nn.meta.is_axis_metadata),
+            jax.tree_util.tree_leaves(alone)))
+    total = sum(a.nbytes for a in jax.tree_util.tree_leaves(variables))
+    print(f'  {annotate:<18}{total:>12,}{device_bytes(variables, device):>12,}'
+          f'{naive:>22,}')
+
+
 def lower_and_compile(fn, *args):
   """Median seconds of (trace+lower, compile) over fresh runs, after one
   untimed warm-up."""
@@ -286,7 +340,7 @@ def main(argv):
   print(f'JAX {jax.__version__}, {jax.device_count()} '
         f'{jax.default_backend()} devices')
   sections = {'bubble': bubble, 'memory': memory, 'compile': compile_times,
-              'tpu': tpu_rows}
+              'tpu': tpu_rows, 'placement': placement}
   for name in FLAGS.sections:
     sections[name]()
 

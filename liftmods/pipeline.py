@@ -22,7 +22,9 @@ the pipelined and the unpipelined stack unchanged. For ``R > 1`` use
 >>> p.schedule()[:3].tolist()   # work item per (iteration, stage); -1 idle
 [[0, -1], [1, 0], [2, 1]]
 """
+import contextlib
 import dataclasses
+import threading
 from typing import Any, Sequence
 
 import jax
@@ -171,6 +173,88 @@ class Pipeline:
           f'Stack at {path}: mesh axis {self.axis!r} has {size} devices, but '
           f'the pipeline has stages={self.stages}; they must be equal.')
     return mesh
+
+
+# -- where a pipelined stack's variables live ----------------------------------------
+
+
+class _StackAxes(threading.local):
+  record: dict | None = None
+
+
+_stack_axes = _StackAxes()
+
+
+@contextlib.contextmanager
+def record_stage_axes():
+  """Collects ``{module path: stage mesh axis}`` for every pipelined stack
+  this thread calls inside the ``with`` block. ``nn.init_sharded`` reads
+  it: every variable of a pipelined stack has its layer axis (axis 0) on
+  the stage axis, whatever its annotations say.
+
+  >>> import jax, jax.numpy as jnp, liftmods as nn
+  >>> class Block(nn.Module):
+  ...   @nn.compact
+  ...   def __call__(self, x):
+  ...     return x + nn.Dense(x.shape[-1])(x)
+  >>> stack = nn.Stack(Block, 2, pipeline=Pipeline(stages=2, microbatches=2))
+  >>> with record_stage_axes() as seen:
+  ...   _ = jax.eval_shape(stack().init, jax.random.key(0), jnp.ones((2, 4)))
+  >>> seen   # the stack is the root module here: path ()
+  {(): 'stage'}
+  """
+  outer, _stack_axes.record = _stack_axes.record, {}
+  try:
+    yield _stack_axes.record
+  finally:
+    seen, _stack_axes.record = _stack_axes.record, outer
+    if outer is not None:
+      outer.update(seen)
+
+
+def note_stack(path: Sequence[str], pipeline: Pipeline) -> None:
+  """Records that the stack at module ``path`` is pipelined (for
+  :func:`record_stage_axes`; nothing when no recording is active)."""
+  if _stack_axes.record is not None:
+    _stack_axes.record[tuple(path)] = pipeline.axis
+
+
+def stage_spec(where: str, spec: PartitionSpec, ndim: int,
+               axis: str) -> PartitionSpec:
+  """``spec`` (a variable's placement from its annotations) with the
+  variable's layer axis (axis 0) on the stage mesh axis ``axis``; a
+  PipelineError when the annotations put the layer axis on another mesh
+  axis or use ``axis`` for another dimension.
+
+  >>> stage_spec('v', PartitionSpec(), 2, 'stage')
+  P('stage', None)
+  >>> stage_spec('v', PartitionSpec('stage', 'model'), 3, 'stage')
+  P('stage', 'model', None)
+  """
+  entries = list(spec) + [None] * (ndim - len(spec))
+  if not entries:
+    raise PipelineError(f'{where} belongs to a pipelined stack but is a '
+                        'scalar; every variable of a stack has a leading '
+                        'layer axis.')
+  def axes(entry):
+    return set(entry) if isinstance(entry, tuple) else (
+        set() if entry is None or entry is PartitionSpec.UNCONSTRAINED
+        else {entry})
+  first = axes(entries[0])
+  if first and first != {axis}:
+    raise PipelineError(
+        f'{where} belongs to a stack pipelined over mesh axis {axis!r}, but '
+        f'its annotations place its layer axis on {entries[0]!r} (spec '
+        f'{spec}); a pipelined stack puts every layer on its stage. Map the '
+        f"layer axis to {axis!r} (rule ('layers', {axis!r})) or to nothing.")
+  for dim, entry in enumerate(entries[1:], 1):
+    if axis in axes(entry):
+      raise PipelineError(
+          f'{where} belongs to a stack pipelined over mesh axis {axis!r}, '
+          f'but its annotations also shard dimension {dim} over {axis!r} '
+          f'(spec {spec}); the stage axis holds the layers. Map that '
+          'dimension to another mesh axis.')
+  return PartitionSpec(axis, *entries[1:])
 
 
 # -- the schedule -------------------------------------------------------------------

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from liftmods import errors
+from liftmods import errors, pipeline as pipelining
 from liftmods.core import meta
 from liftmods.traceback_util import api_boundary
 from liftmods.call_context import split_arrays
@@ -93,9 +93,10 @@ def init_sharded(module, mesh, rules=None, *, unbox: bool = True,
       variables = call(dynamic)
       return _strip(variables) if unbox else variables
 
-    with logical_axis_rules(active), record_constraint_names() as seen:
+    with (logical_axis_rules(active), record_constraint_names() as seen,
+          pipelining.record_stage_axes() as stacks):
       boxed = jax.eval_shape(call, dynamic)
-      shardings = mesh_shardings(boxed, mesh, active, fallback)
+      shardings = mesh_shardings(boxed, mesh, active, fallback, stacks)
     nonlocal checked
     if not checked:
       checked = True
@@ -121,17 +122,31 @@ def init_sharded(module, mesh, rules=None, *, unbox: bool = True,
   return init_fn
 
 
-def mesh_shardings(boxed, mesh, rules=(), fallback=RulesFallback.AXIS_IS_UNSHARDED):
+def mesh_shardings(boxed, mesh, rules=(),
+                   fallback=RulesFallback.AXIS_IS_UNSHARDED, stacks=None):
   """The NamedSharding over ``mesh`` of every variable in ``boxed`` (a tree
-  of boxes / arrays / ShapeDtypeStructs), checked against the mesh."""
+  of boxes / arrays / ShapeDtypeStructs), checked against the mesh.
+  ``stacks`` maps the module path of each pipelined stack to its stage
+  axis (``pipeline.record_stage_axes``): every variable under such a path
+  has its layer axis on the stage axis, annotated or not."""
   paths, treedef = jax.tree_util.tree_flatten_with_path(
       boxed, is_leaf=meta.is_axis_metadata)
-  out = [_leaf_sharding(path, leaf, mesh, rules, fallback)
+  out = [_leaf_sharding(path, leaf, mesh, rules, fallback, stacks or {})
          for path, leaf in paths]
   return treedef.unflatten(out)
 
 
-def _leaf_sharding(path, leaf, mesh, rules, fallback):
+def _stage_axis(path, stacks):
+  """The stage axis of the pipelined stack holding the variable at key
+  ``path`` (collection, module names..., variable name), or None."""
+  names = tuple(_key_names(path)[1:-1])
+  for prefix, axis in stacks.items():
+    if names[:len(prefix)] == prefix:
+      return axis
+  return None
+
+
+def _leaf_sharding(path, leaf, mesh, rules, fallback, stacks):
   value = leaf
   while isinstance(value, meta.AxisMetadata):
     value = (value.unbox(apply_constraint=False)
@@ -144,6 +159,9 @@ def _leaf_sharding(path, leaf, mesh, rules, fallback):
     spec = leaf.get_partition_spec()
   else:
     spec = PartitionSpec()
+  axis = _stage_axis(path, stacks)
+  if axis is not None:
+    spec = pipelining.stage_spec(_where(path), spec, np.ndim(value), axis)
   _check(path, np.shape(value), spec, mesh)
   return NamedSharding(mesh, spec)
 
@@ -240,10 +258,14 @@ def _check(path, shape, spec, mesh):
                                              size)
 
 
+def _key_names(path) -> list:
+  return [str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k))))
+          for k in path]
+
+
 def _where(path) -> str:
   """'Variable "kernel" of collection "params" at /Dense_0' from a key path."""
-  keys = [str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k))))
-          for k in path]
+  keys = _key_names(path)
   if len(keys) < 2:
     return f'Variable {"/".join(keys)!r}'
   col, *module_path, name = keys

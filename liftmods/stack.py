@@ -539,6 +539,8 @@ def _run(self, block, config, fold, x, args, kwargs):
     raise errors.StackError(
         f'Stack at {path}: a pipelined stack folds (stack(x)); stack.scan '
         'has no pipelined form.')
+  if config['pipeline'] is not None:
+    pipelining.note_stack(self.scope.path, config['pipeline'])
   name = block.__name__
   block_call = block.__call__
 

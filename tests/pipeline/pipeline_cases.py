@@ -340,6 +340,77 @@ def test_init_sharded_puts_each_stage_on_its_devices():
                              rtol=2e-5, atol=1e-5)
 
 
+class Annotated(nn.Module):
+  """A residual Dense block; ``annotate`` says which of its variables carry
+  logical names: 'both', 'kernel' (the bias is a plain array) or 'none'."""
+  annotate: str
+
+  @nn.compact
+  def __call__(self, x):
+    kernel_init = nn.initializers.lecun_normal()
+    bias_init = nn.initializers.zeros_init()
+    if self.annotate != 'none':
+      kernel_init = nn.with_logical_partitioning(kernel_init,
+                                                 ('embed', 'mlp'))
+    if self.annotate == 'both':
+      bias_init = nn.with_logical_partitioning(bias_init, ('mlp',))
+    dense = nn.Dense(x.shape[-1], kernel_init=kernel_init,
+                     bias_init=bias_init)
+    return x + jnp.tanh(dense(x))
+
+
+@pytest.mark.parametrize('annotate', ['both', 'kernel', 'none'])
+def test_every_stack_variable_lives_on_its_stage(annotate):
+  """Annotated or not, init_sharded puts each layer's variables on its
+  stage only: the compiled step's arguments per device are 1/S of the
+  stack's."""
+  stages = 4
+  pipe = nn.Pipeline(stages=stages, microbatches=4)
+  pipelined = nn.Stack(Annotated, 8, pipeline=pipe)(annotate)
+  x = jnp.ones((8, 32))
+  mesh = mesh_of(stages, 1)
+  rules = (('layers', 'stage'), ('embed', None), ('mlp', None))
+  variables, shardings = nn.init_sharded(
+      pipelined, mesh, rules, warn_unmapped=False)(jax.random.key(0), x)
+  params = shardings['params']['Dense_0']
+  assert params['kernel'].spec == jax.P('stage', None, None)
+  assert params['bias'].spec == jax.P('stage', None)
+  total = sum(a.nbytes for a in leaves(variables))
+  assert total == 8 * (32 * 32 + 32) * 4
+  for leaf in leaves(variables):
+    for shard in leaf.addressable_shards:
+      assert shard.data.shape[0] == 8 // stages
+  with jax.set_mesh(mesh):
+    step = jax.jit(jax.grad(lambda v, x: jnp.sum(pipelined.apply(v, x))),
+                   in_shardings=(shardings, None))
+    compiled = step.lower(variables, x).compile()
+  memory = compiled.memory_analysis()
+  assert memory.argument_size_in_bytes == total // stages + x.nbytes
+  # The values are the unpipelined stack's (repeats=1: the same layout).
+  plain = nn.unbox(init(nn.Stack(Annotated, 8)(annotate), x))
+  assert_bitwise(variables, plain)
+
+
+def test_init_sharded_rejects_a_stage_axis_the_annotations_misuse():
+  pipe = nn.Pipeline(stages=4, microbatches=4)
+  pipelined = nn.Stack(Annotated, 8, pipeline=pipe)('kernel')
+  x = jnp.ones((8, 32))
+  mesh = mesh_of(4, 2)
+  with pytest.raises(
+      nn.PipelineError,
+      match=r'Variable "kernel" of collection "params" at /Dense_0 belongs '
+      r"to a stack pipelined over mesh axis 'stage', but its annotations "
+      r"place its layer axis on 'data'"):
+    nn.init_sharded(pipelined, mesh, (('layers', 'data'),),
+                    warn_unmapped=False)(jax.random.key(0), x)
+  with pytest.raises(
+      nn.PipelineError,
+      match=r"also shard dimension 2 over 'stage' \(spec "
+      r"P\(None, None, 'stage'\)\)"):
+    nn.init_sharded(pipelined, mesh, (('mlp', 'stage'),),
+                    warn_unmapped=False)(jax.random.key(0), x)
+
+
 def test_errors_name_the_problem():
   with pytest.raises(nn.PipelineError, match=r'divisible by stages·repeats = 8'):
     nn.Stack(Block, 12, pipeline=nn.Pipeline(stages=4, microbatches=4,
