@@ -33,6 +33,21 @@ class LiftmodsError(Exception):
     link = self.docs_link or f'{DOCS}#{_entry(type(self))}'
     return f'{super().__str__()} (see {link})'
 
+  def __reduce__(self):
+    # Subclasses build their message from several required arguments, so
+    # the default (calling the class with ``self.args``, the message) would
+    # fail to unpickle; restore the finished error instead.
+    return _restore, (type(self), self.args, self.__dict__)
+
+
+def _restore(cls, args, state):
+  """An error of class ``cls`` with the given ``args`` and attributes,
+  made without running its ``__init__`` (what unpickling calls)."""
+  err = cls.__new__(cls, *args)
+  err.args = args
+  err.__dict__.update(state)
+  return err
+
 
 def _entry(cls) -> str:
   """The catalogue anchor of ``cls``: its own, or that of the nearest base

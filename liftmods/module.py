@@ -50,6 +50,11 @@ from liftmods.traceback_util import api_boundary
 
 # This thread's running modules, capture filters, interceptors and recording.
 _calls = call_context.calls
+# Linen's name for the same per-thread state. Tools written against Linen's
+# internals read ``flax.linen.module._context.module_stack[-1]`` to find the
+# running module (qwix does); under ``liftmods.compat`` they get this object,
+# whose ``module_stack`` and ``capture_stack`` mean what Linen's do.
+_context = _calls
 
 
 class _Unspecified:
@@ -198,6 +203,11 @@ def wrap_method(fun):
   return wrapped
 
 
+# Linen's name for :func:`wrap_method`, kept for tools that re-wrap a method
+# they unwrapped through ``__wrapped__`` (qwix's model quantization does).
+wrap_method_once = wrap_method
+
+
 # -- trees of submodules -------------------------------------------------------
 
 
@@ -331,6 +341,10 @@ class Module:
 
   @classmethod
   def _dataclass_transform(cls, kw_only: bool):
+    if '__dataclass_fields__' in cls.__dict__:
+      # ``dataclass(slots=True)`` re-creating a class already transformed
+      # (Linen accepts it): its fields, parent and name included, stand.
+      return
     annotations = cls.__dict__.get('__annotations__', {})
     if 'parent' in annotations or ('name' in annotations and (
         annotations['name'] not in (str, 'str', 'Optional[str]', str | None))):
@@ -425,9 +439,8 @@ class Module:
   def _bind_fields(self):
     """Adopts modules held in dataclass fields and freezes container fields
     (lists become tuples, dicts FrozenDicts), once per bound instance."""
-    d = self.__dict__
     for n in self._init_field_names:
-      v = d[n]
+      v = _field_value(self, n)
       if n != 'parent' and isinstance(v, _CONTAINERS):
         self._register_submodules(n, v)
     self._state.fields_bound = True
@@ -589,8 +602,7 @@ class Module:
             **updates):
     """A copy with ``updates`` applied, attached to ``parent`` (default:
     unattached)."""
-    d = self.__dict__
-    attrs = {n: d[n] for n in self._init_field_names}
+    attrs = {n: _field_value(self, n) for n in self._init_field_names}
     attrs['parent'] = parent
     attrs.update(updates)
     if _deep_clone is not False:
@@ -928,6 +940,15 @@ def unbound_method(method):
   return method
 
 
+def _field_value(module: Module, name: str):
+  """A dataclass field's value, in the instance dict or, for a class
+  rebuilt by ``dataclass(slots=True)``, in its slot."""
+  try:
+    return module.__dict__[name]
+  except KeyError:
+    return object.__getattribute__(module, name)
+
+
 def _module_repr(module: Module, indent: int = 0) -> str:
   cls = type(module)
   fields = [f for f in dataclasses.fields(cls)
@@ -937,7 +958,7 @@ def _module_repr(module: Module, indent: int = 0) -> str:
   pad = ' ' * (indent + 4)
   lines = []
   for f in fields:
-    v = module.__dict__.get(f.name)
+    v = _field_value(module, f.name)
     text = _module_repr(v, indent + 4) if isinstance(v, Module) else repr(v)
     lines.append(f'{pad}{f.name} = {text}')
   return f'{cls.__name__}(\n' + '\n'.join(lines) + '\n' + ' ' * indent + ')'

@@ -29,6 +29,17 @@ class AxisMetadata(Generic[A], metaclass=abc.ABCMeta):
   (``AxisMetadata[jax.Array]``), and free of metaclass conflicts with
   dataclass-based pytree bases such as ``flax.struct.PyTreeNode``."""
 
+  @classmethod
+  def __subclasshook__(cls, other):
+    # A box written against another module system's AxisMetadata (under
+    # liftmods.compat, ``flax.core.meta`` stays flax's, and libraries such
+    # as AQT subclass it) is a box here too: recognised by the protocol,
+    # without importing that module system.
+    if cls is AxisMetadata and all(
+        callable(getattr(other, m, None)) for m in _BOX_PROTOCOL):
+      return True
+    return NotImplemented
+
   @abc.abstractmethod
   def unbox(self) -> Any:
     """Returns the boxed value."""
@@ -44,6 +55,11 @@ class AxisMetadata(Generic[A], metaclass=abc.ABCMeta):
   @abc.abstractmethod
   def remove_axis(self, index: int, params: dict) -> 'AxisMetadata':
     """Records that a transform removed the axis at ``index``."""
+
+
+_BOX_PROTOCOL = tuple(
+    name for name, v in vars(AxisMetadata).items()
+    if getattr(v, '__isabstractmethod__', False))
 
 
 def is_axis_metadata(val) -> bool:

@@ -169,7 +169,7 @@ class Packing:
   """One crossing of a transform boundary by a tree of scopes."""
 
   __slots__ = ('scopes', 'treedef', 'links', 'out_filters', 'out_union',
-               'kind')
+               'kind', 'rng_suffixes')
 
   def __init__(self, scope_tree, out_filters, out_union, kind):
     self.out_filters = out_filters
@@ -212,6 +212,13 @@ class Packing:
         return (({},),)
       return tuple(({},) for _ in filters)
     per_scope = []
+    # The names folded lazily into each key are read now, not when the
+    # inner scopes are made: JAX may trace the inside after the outer
+    # scopes were released (the forward of a custom_vjp, differentiated
+    # after ``apply`` returned).
+    self.rng_suffixes = tuple(
+        {name: lazy.suffix for name, lazy in s.rngs.items()}
+        for s in self.scopes)
     for s in self.scopes:
       if s.rngs:
         keys = {name: lazy.key for name, lazy in s.rngs.items()}
@@ -244,12 +251,11 @@ class Packing:
             variables[col] = thaw(variables[col])
       inner = Scope(variables, None, outer.name, mutable, None, outer.path,
                     outer.flags)
-      outer_rngs = outer.rngs
       rngs = {}
       for group in rng_groups:
         for name, key in group[i].items():
           rngs[name] = LazyKey(
-              key, outer_rngs[name].suffix if keep_rng_suffix else ())
+              key, self.rng_suffixes[i][name] if keep_rng_suffix else ())
       inner.rngs = rngs
       inner.rng_counters = outer.rng_counters
       roots.append(inner)

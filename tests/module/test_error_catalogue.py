@@ -8,6 +8,7 @@
   (``LINEN_RAISES`` lists where that is not a class of the same name).
 """
 import builtins
+import pickle
 import inspect
 import re
 import types
@@ -154,3 +155,30 @@ def test_pointer_names_the_nearest_catalogued_class():
   from liftmods.layers.attention import AttentionConfigError
   err = AttentionConfigError('bad attention config')
   assert str(err).endswith('(see docs/errors.md#liftmodserror)')
+
+
+@pytest.mark.parametrize('name', RAISED)
+def test_entry_error_survives_pickling(name):
+  """Errors cross process boundaries (multi-process tools, pytest-xdist,
+  qwix's and AQT's test runners): each class's error, as its entry's
+  program raises it, unpickles to an equal error."""
+  try:
+    _mistake(name)(liftmods)
+  except errors.LiftmodsError as err:
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is type(err)
+    assert str(back) == str(err)
+    assert back.args == err.args
+    assert vars(back) == vars(err)
+  else:
+    assert name in IN_FLUX, name
+
+
+def test_error_with_required_arguments_pickles():
+  err = errors.ScopeParamShapeError('kernel', '/Dense_0', (3, 4), (3, 5))
+  back = pickle.loads(pickle.dumps(err))
+  assert type(back) is errors.ScopeParamShapeError
+  assert str(back) == str(err)
+  err = errors.ScopeParamNotFoundError('kernel', '/Dense_0')
+  back = pickle.loads(pickle.dumps(err))
+  assert (back.collection, back.lookup) == ('params', ('kernel', '/Dense_0'))
