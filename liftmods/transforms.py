@@ -351,14 +351,14 @@ def scan(target, variable_axes=FrozenDict(), variable_broadcast=False,
   """Loops ``target(carry, *xs) -> (carry, ys)`` over a leading axis with
   ``lax.scan``; variables are stacked (``variable_axes``), shared and
   initialised once (``variable_broadcast``) or carried (``variable_carry``)."""
-  del check_constancy_invariants  # liftmods always checks the carry
   return lift_transform(
       lift.scan, 'scan', target, variable_axes=variable_axes,
       variable_broadcast=variable_broadcast, variable_carry=variable_carry,
       split_rngs=split_rngs, in_axes=in_axes, out_axes=out_axes,
       length=length, reverse=reverse, unroll=unroll,
       _split_transpose=_split_transpose, data_transform=data_transform,
-      metadata_params=metadata_params, methods=methods)
+      metadata_params=metadata_params, methods=methods,
+      check_constancy_invariants=check_constancy_invariants)
 
 
 def checkpoint(target, variables=True, rngs=True, concrete=False,

@@ -125,8 +125,12 @@ def scan_with_broadcast(body, in_axes, out_axes, length, reverse, unroll,
                        'return outputs with out_axes=broadcast.')
     after_first = rng_replay.state() if rng_replay is not None else None
 
+    unchecked = not check_invariants and consts_out is None
+
     def loop_body(carry, x_slice):
-      _, carry, ys = body(broadcast_in, carry, *full_inputs(x_slice))
+      b_out, carry, ys = body(broadcast_in, carry, *full_inputs(x_slice))
+      if unchecked:
+        _check_nothing_broadcast_made(broadcast_in, b_out, explain)
       if verify is not None:
         verify()
       ys = jax.tree_util.tree_map(
@@ -145,6 +149,19 @@ def scan_with_broadcast(body, in_axes, out_axes, length, reverse, unroll,
     return broadcast_in, carry, ys
 
   return run
+
+
+def _check_nothing_broadcast_made(broadcast_in, broadcast_out, explain):
+  """Without the constancy check the loop returns the broadcast inputs
+  unchanged, so a broadcast variable the body creates would be dropped
+  (Linen drops it silently); refuse instead."""
+  known = {path for path, _ in
+           jax.tree_util.tree_flatten_with_path(broadcast_in)[0]}
+  for path, _ in jax.tree_util.tree_flatten_with_path(broadcast_out)[0]:
+    if path not in known:
+      raise errors.BroadcastVariableError(
+          explain((jax.tree_util.SequenceKey(0),) + path,
+                  created_unchecked=True))
 
 
 def check_carry(kind, scopes, vars_in, vars_out, c_in, c_out):

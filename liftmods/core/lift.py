@@ -273,12 +273,18 @@ def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable
       check_carry('scan', scopes, carry_in, carry_out, c, c_out)
       return broadcast_out, (carry_out, c_out), (ys, scan_out)
 
-    def explain(path):
+    def explain(path, created_unchecked=False):
       if path[0].idx == 0 and len(path) >= 3:
         scope = scopes[path[1].idx]
         col = path[2].key
-        return (f'scan at {scope.path_text}: broadcast variable '
-                f'"{var_name(path[3:])}" of collection "{col}" depends on the '
+        what = (f'scan at {scope.path_text}: broadcast variable '
+                f'"{var_name(path[3:])}" of collection "{col}"')
+        if created_unchecked:
+          return (f'{what} is created inside the loop, but '
+                  'check_constancy_invariants=False skips the run that '
+                  'computes broadcast variables, so it would be lost. Create '
+                  'it before the loop, or keep the check on.')
+        return (f'{what} depends on the '
                 'carry or on the scanned inputs (or split rngs). A broadcast '
                 'collection must be the same for all iterations: do not '
                 'write it from loop-dependent values, or list it in '
@@ -292,8 +298,11 @@ def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable
     rngs_cross = has_rngs(rng_groups)
     replay = None
     if rngs_cross and not mutable_broadcast:
+      # The constancy check's extra trace advances rng counters, so runs
+      # with and without it replay differently.
       site = (getattr(fn, '__code__', None),
-              jax.tree_util.tree_structure((args, init)))
+              jax.tree_util.tree_structure((args, init)),
+              check_constancy_invariants)
       replay = RngReplay(scopes, site)
     looped = scan_with_broadcast(
         body, in_axes=(var_in_axes, rng_axes, in_axes),

@@ -230,3 +230,39 @@ def test_scan_stack_of_layers_with_layernorm():
   r = check(build, (x,))
   assert shapes(r['vars'][lnn])['params']['layers']['LayerNorm_0'][
       'scale'] == (3, 4)
+
+
+def test_scan_without_constancy_check():
+  """``check_constancy_invariants=False`` reaches the loop: a scan with no
+  broadcast output runs as with the check (same values as Linen)."""
+  def build(nn):
+    return nn.scan(block(nn), variable_axes={'params': 0},
+                   split_rngs={'params': True},
+                   check_constancy_invariants=False)()
+
+  check(build, (C0, XS))
+
+
+def _broadcast_scan(nn, check):
+  return nn.scan(block(nn), variable_broadcast='params',
+                 split_rngs={'params': False},
+                 check_constancy_invariants=check)()
+
+
+def test_scan_without_constancy_check_refuses_to_drop_broadcast_variables():
+  """Without the check, a broadcast variable created in the loop has no
+  loop-invariant value to return: Linen's init silently returns no params
+  (and apply then fails); liftmods refuses at init, naming the variable.
+  Variables created with the check on serve a scan without it, as in
+  Linen."""
+  key = jax.random.key(0)
+  assert fnn.unbox(_broadcast_scan(fnn, False).init(key, C0, XS)) == {}
+  with pytest.raises(lnn.errors.BroadcastVariableError,
+                     match=r'broadcast variable "Dense_0/(bias|kernel)" of '
+                           r'collection "params" is created inside the loop'):
+    _broadcast_scan(lnn, False).init(key, C0, XS)
+  variables = _broadcast_scan(lnn, True).init(key, C0, XS)
+  for nn in (fnn, lnn):
+    assert_close(_broadcast_scan(nn, False).apply(variables, C0, XS),
+                 _broadcast_scan(nn, True).apply(variables, C0, XS),
+                 rtol=0, atol=0)
