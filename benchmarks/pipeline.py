@@ -66,6 +66,9 @@ flags.DEFINE_list('compile_layers', ['8', '32', '128'],
                   'L values for the compile section')
 flags.DEFINE_integer('compile_repeats', 3, 'fresh traces/compiles per row '
                      '(median)')
+flags.DEFINE_integer('micro_rows', 8, 'rows per microbatch (schedules)')
+flags.DEFINE_list('schedule_micro', ['4', '8', '16', '32', '64'],
+                  'M values for the schedules section')
 flags.DEFINE_multi_string(
     'tpu_row', ['4,8,1', '4,16,1', '4,8,2'],
     'S,M,R of a pipelined row of the tpu section (repeatable)')
@@ -238,6 +241,82 @@ def placement():
           f'{naive:>22,}')
 
 
+class Model(nn.Module):
+  """An input projection, a stack of MLP blocks, an output projection: the
+  shape of a language model without the vocabulary."""
+  hidden: int
+  length: int
+  pipeline: object = None
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(self.hidden)(x)
+    x = nn.Stack(Block, self.length, pipeline=self.pipeline)(
+        self.hidden, name='blocks')(x)
+    return nn.Dense(x.shape[-1])(nn.LayerNorm()(x))
+
+
+def model_loss(model):
+  def loss_fn(params, x):
+    return jnp.mean((model.apply({'params': params}, x) - x) ** 2)
+  return loss_fn
+
+
+def sgd_step(model, one_f_one_b):
+  """The train step: value and gradients (jax.value_and_grad, or
+  nn.pipeline.value_and_grad for 1F1B), then an SGD update."""
+  grad_fn = (nn.pipeline.value_and_grad if one_f_one_b else
+             jax.value_and_grad)(model_loss(model))
+
+  def step(params, x):
+    loss, grads = grad_fn(params, x)
+    return loss, jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params,
+                                        grads)
+  return step
+
+
+def schedule_rows(stages):
+  """(label, Pipeline) for GPipe, GPipe with remat_iterations and 1F1B."""
+  return [('gpipe', dict()), ('gpipe remat_iterations',
+                              dict(remat_iterations=True)),
+          ('1f1b', dict(mode='1f1b'))]
+
+
+def compiled_step(model, one_f_one_b, params, x, mesh):
+  with jax.set_mesh(mesh):
+    return jax.jit(sgd_step(model, one_f_one_b)).lower(params, x).compile()
+
+
+def activation_memory():
+  """Temp bytes of the train step by schedule and M, at a fixed microbatch
+  size (the batch grows with M)."""
+  stages, hidden, rows = 4, FLAGS.hidden, FLAGS.micro_rows
+  length = 2 * stages
+  print(f'\nTrain step (SGD) temp MiB per device, S={stages}, L={length}, '
+        f'width={hidden}, {rows} rows per microbatch (batch = M x {rows})')
+  micros = [int(m) for m in FLAGS.schedule_micro]
+  print(f'  {"schedule":<24}' + ''.join(f'{"M=" + str(m):>10}'
+                                        for m in micros))
+  mesh = stage_mesh(stages)
+  for label, options in schedule_rows(stages):
+    cells = []
+    for micro in micros:
+      pipe = nn.Pipeline(stages=stages, microbatches=micro, **options)
+      model = Model(hidden, length, pipe)
+      x = jnp.ones((micro * rows, hidden))
+      params = jax.eval_shape(model.init, jax.random.key(0), x)['params']
+      compiled = compiled_step(model, 'mode' in options, params, x, mesh)
+      cells.append(compiled.memory_analysis().temp_size_in_bytes / 2**20)
+    print(f'  {label:<24}' + ''.join(f'{c:>10.2f}' for c in cells),
+          flush=True)
+  print(f'  {"iterations (GPipe)":<24}' + ''.join(
+      f'{nn.Pipeline(stages=stages, microbatches=m).iterations:>10}'
+      for m in micros))
+  print(f'  {"iterations (1F1B)":<24}' + ''.join(
+      f'{nn.Pipeline(stages=stages, microbatches=m, mode="1f1b").iterations:>10}'
+      for m in micros))
+
+
 def lower_and_compile(fn, *args):
   """Median seconds of (trace+lower, compile) over fresh runs, after one
   untimed warm-up."""
@@ -340,7 +419,8 @@ def main(argv):
   print(f'JAX {jax.__version__}, {jax.device_count()} '
         f'{jax.default_backend()} devices')
   sections = {'bubble': bubble, 'memory': memory, 'compile': compile_times,
-              'tpu': tpu_rows, 'placement': placement}
+              'tpu': tpu_rows, 'placement': placement,
+              'schedules': activation_memory}
   for name in FLAGS.sections:
     sections[name]()
 

@@ -28,12 +28,14 @@ import threading
 from typing import Any, Sequence
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
 from liftmods import errors
+from liftmods.call_context import split_arrays
 
 
 class PipelineError(errors.StackError):
@@ -64,6 +66,12 @@ class Pipeline:
       update.
     mesh: the mesh; ``None`` takes the one set with ``jax.set_mesh`` /
       ``jax.sharding.use_mesh``.
+    mode: ``'gpipe'`` (a forward loop; ``jax.grad`` runs the backward loop
+      after it) or ``'1f1b'``: under :func:`value_and_grad` each iteration
+      runs one microbatch's forward and another's backward, so a stage
+      holds at most ``2(S − s) − 1`` microbatch inputs whatever ``M`` is.
+      Outside :func:`value_and_grad` (evaluation) a ``'1f1b'`` stack runs
+      the GPipe forward loop. ``'1f1b'`` needs ``repeats=1``.
   """
   stages: int
   microbatches: int
@@ -72,6 +80,7 @@ class Pipeline:
   remat_iterations: bool = False
   per_microbatch: Sequence[str] = ()
   mesh: Any = None
+  mode: str = 'gpipe'
 
   def __post_init__(self):
     for name in ('stages', 'microbatches', 'repeats'):
@@ -84,26 +93,65 @@ class Pipeline:
           f'Pipeline: the circular schedule (repeats={self.repeats}) needs '
           f'at least as many microbatches as stages; got microbatches='
           f'{self.microbatches} < stages={self.stages}.')
+    if self.mode not in ('gpipe', '1f1b'):
+      raise ValueError(f"Pipeline.mode must be 'gpipe' or '1f1b'; got "
+                       f'{self.mode!r}.')
+    if self.mode == '1f1b' and self.repeats != 1:
+      raise ValueError(
+          f"Pipeline: mode='1f1b' runs repeats=1 (the interleaved 1F1B "
+          f'schedule is not implemented); got repeats={self.repeats}.')
+    if self.mode == '1f1b' and self.remat_iterations:
+      raise ValueError(
+          "Pipeline: mode='1f1b' already recomputes each stage from its "
+          'stored input in the backward pass; remat_iterations applies to '
+          "mode='gpipe' only.")
     names = self.per_microbatch
     object.__setattr__(self, 'per_microbatch',
                        (names,) if isinstance(names, str) else tuple(names))
 
   @property
   def iterations(self) -> int:
-    """``M·R + S − 1``: the length of the loop over iterations."""
+    """The length of the loop over iterations: ``M·R + S − 1`` (GPipe,
+    circular; each iteration a forward, ``jax.grad`` adds as many backward
+    iterations), ``M + 2S − 2`` for ``'1f1b'`` (each iteration a forward
+    and a backward)."""
+    if self.mode == '1f1b':
+      return self.microbatches + 2 * self.stages - 2
     return self.microbatches * self.repeats + self.stages - 1
 
   @property
   def bubble_fraction(self) -> float:
-    """``(S − 1) / (M·R + S − 1)``: the share of idle stage-iterations."""
-    return (self.stages - 1) / self.iterations
+    """The share of idle stage-iterations: ``(S − 1) / (M·R + S − 1)``,
+    or ``(2S − 2) / (M + 2S − 2)`` for ``'1f1b'`` (a microbatch's
+    cotangent needs ``S − 1`` more iterations to come back)."""
+    return (self.iterations - self.microbatches * self.repeats) / (
+        self.iterations)
 
   def schedule(self) -> np.ndarray:
     """``(iterations, stages)`` work items: ``j = r·M + m`` (repeat ``r``,
-    microbatch ``m``) that stage ``s`` runs at iteration ``t``, or -1."""
+    microbatch ``m``) that stage ``s`` runs forward at iteration ``t``, or
+    -1."""
     t = np.arange(self.iterations)[:, None]
     j = t - np.arange(self.stages)[None, :]
     return np.where((j >= 0) & (j < self.microbatches * self.repeats), j, -1)
+
+  def backward_schedule(self) -> np.ndarray:
+    """For ``'1f1b'``: the ``(iterations, stages)`` microbatches whose
+    backward pass stage ``s`` runs at iteration ``t`` (``t − 2S + 2 + s``),
+    or -1. The last stage runs a microbatch's backward in the iteration of
+    its forward, and each cotangent takes one iteration per stage back.
+
+    >>> p = Pipeline(stages=2, microbatches=3, mode='1f1b')
+    >>> p.schedule().T.tolist(), p.backward_schedule().T.tolist()
+    ([[0, 1, 2, -1, -1], [-1, 0, 1, 2, -1]], [[-1, -1, 0, 1, 2], \
+[-1, 0, 1, 2, -1]])
+    """
+    if self.mode != '1f1b':
+      raise ValueError("backward_schedule: the backward pass of mode="
+                       f"{self.mode!r} is jax.grad's loop, not a schedule.")
+    t = np.arange(self.iterations)[:, None]
+    b = t - (2 * self.stages - 2) + np.arange(self.stages)[None, :]
+    return np.where((b >= 0) & (b < self.microbatches), b, -1)
 
   def layers_per_stage(self, length: int, path: str = '') -> int:
     """``K = L / (R·S)``, or a PipelineError when that does not divide."""
@@ -338,33 +386,11 @@ def _save_all_but_slices(prim, *_, **__):
   return prim.name not in _SLICING
 
 
-def run(pipeline: Pipeline, layer, policy, c, stacked, keys, per_layer, *,
-        is_mutable, length: int, path: str):
-  """Runs ``L`` layers on the carry ``c`` with the pipeline's schedule.
-
-  ``layer(c, (variables, keys, per_layer)) -> (c, (ys, mutable_out))`` is
-  one layer of the stack and ``policy`` its ``jax.checkpoint`` policy (or
-  None); ``stacked`` holds
-  the stack's variables (one dict of collections per scope) in stored
-  (stage-major) order, ``keys`` and ``per_layer`` are in layer order and
-  ``is_mutable(collection)`` says which collections the layers update.
-  Returns ``(c, mutable collections)``, the latter stage-major.
-  """
-  pipeline.layers_per_stage(length, path)
-  mesh = pipeline.resolve_mesh(path)
-  fixed, mutable = _split_collections(pipeline, stacked, is_mutable, path)
-  n_stages, n_micro = pipeline.stages, pipeline.microbatches
-  n_work = n_micro * pipeline.repeats
-  micro = _microbatches(c, n_micro, path)
-  staged = (_staged(fixed, pipeline), _staged(mutable, pipeline),
-            _staged(pipeline.stage_major(keys), pipeline),
-            _staged(pipeline.stage_major(per_layer), pipeline))
-
-  n_layers = length // (n_stages * pipeline.repeats)
+def _stage_fn(layer, policy, n_layers, path):
+  """``stage(x, fixed, r, mutable, keys, per_layer) -> (x, updated)``: the
+  stage's ``K`` layers of repeat ``r`` on one microbatch."""
 
   def stage(x, fixed, r, mutable, keys, per_layer):
-    """The stage's ``K`` layers of repeat ``r`` on one microbatch."""
-
     # The parameters are sliced inside the checkpoint: the backward pass
     # slices them again instead of keeping a copy per iteration.
     def one(x, sliced):
@@ -386,15 +412,56 @@ def run(pipeline: Pipeline, layer, policy, c, stacked, keys, per_layer, *,
           'only update variables that already exist (create them in init).')
     return x, updated
 
+  return stage
+
+
+def _garbage(fill):
+  """What arrives before a stage has real work: NaN, so that any leak of it
+  into outputs or gradients is visible."""
+  return jax.tree_util.tree_map(lambda a: jnp.full_like(a, jnp.nan), fill)
+
+
+def _neighbours(n_stages, step):
+  return [(i, (i + step) % n_stages) for i in range(n_stages)]
+
+
+def run(pipeline: Pipeline, layer, policy, c, stacked, keys, per_layer, *,
+        is_mutable, length: int, path: str):
+  """Runs ``L`` layers on the carry ``c`` with the pipeline's schedule.
+
+  ``layer(c, (variables, keys, per_layer)) -> (c, (ys, mutable_out))`` is
+  one layer of the stack and ``policy`` its ``jax.checkpoint`` policy (or
+  None); ``stacked`` holds
+  the stack's variables (one dict of collections per scope) in stored
+  (stage-major) order, ``keys`` and ``per_layer`` are in layer order and
+  ``is_mutable(collection)`` says which collections the layers update.
+  Returns ``(c, mutable collections)``, the latter stage-major.
+
+  A ``'1f1b'`` pipeline inside :func:`value_and_grad` runs the
+  one-forward-one-backward schedule (:func:`_run_1f1b`); anywhere else
+  every schedule runs this forward loop.
+  """
+  pipeline.layers_per_stage(length, path)
+  mesh = pipeline.resolve_mesh(path)
+  fixed, mutable = _split_collections(pipeline, stacked, is_mutable, path)
+  n_stages, n_micro = pipeline.stages, pipeline.microbatches
+  n_work = n_micro * pipeline.repeats
+  micro = _microbatches(c, n_micro, path)
+  staged = (_staged(fixed, pipeline), _staged(mutable, pipeline),
+            _staged(pipeline.stage_major(keys), pipeline),
+            _staged(pipeline.stage_major(per_layer), pipeline))
+  stage = _stage_fn(layer, policy, length // (n_stages * pipeline.repeats),
+                    path)
+  training = _training.context
+  if pipeline.mode == '1f1b' and training is not None:
+    return _run_1f1b(pipeline, training, stage, mesh, micro, fixed, staged,
+                     path)
+
   def per_stage(micro, fixed, mutable, keys, per_layer):
     fixed, mutable, keys, per_layer = _at((fixed, mutable, keys, per_layer), 0)
     s = lax.axis_index(pipeline.axis)
     fill = jax.tree_util.tree_map(lax.stop_gradient, _at(micro, 0))
-    # What arrives before a stage has real work is garbage; NaN makes any
-    # leak of it into outputs or gradients visible.
-    garbage = jax.tree_util.tree_map(
-        lambda a: jnp.full_like(a, jnp.nan), fill)
-    ring = [(i, (i + 1) % n_stages) for i in range(n_stages)]
+    ring = _neighbours(n_stages, 1)
     # remat_iterations: the backward pass keeps each iteration's input
     # microbatch (not the batch buffers the loop carries) and reruns the
     # stage from it.
@@ -426,10 +493,10 @@ def run(pipeline: Pipeline, layer, policy, c, stacked, keys, per_layer, *,
       arrived = lax.ppermute(y, pipeline.axis, ring)
       return (arrived, buffer, mutable), None
 
+    iterations = n_work + n_stages - 1
     (arrived, buffer, mutable), _ = lax.scan(
-        iteration, (garbage, micro, mutable),
-        jnp.arange(pipeline.iterations))
-    buffer = store(buffer, arrived, jnp.asarray(pipeline.iterations))
+        iteration, (_garbage(fill), micro, mutable), jnp.arange(iterations))
+    buffer = store(buffer, arrived, jnp.asarray(iterations))
     return _lead(buffer), _lead(mutable)
 
   spec = PartitionSpec(pipeline.axis)
@@ -438,6 +505,355 @@ def run(pipeline: Pipeline, layer, policy, c, stacked, keys, per_layer, *,
       out_specs=(spec, spec), axis_names={pipeline.axis},
       check_vma=False)(micro, *staged)
   return _join(_at(out, 0)), _unstaged(mutable)
+
+
+# -- one forward, one backward ------------------------------------------------
+
+
+class _Training(threading.local):
+  context: Any = None      # the _TrainStep of value_and_grad, while it runs
+  substitute: Any = None   # the stack output a microbatch's loss receives
+
+
+_training = _Training()
+
+
+@dataclasses.dataclass
+class _TrainStep:
+  """What the 1F1B loop needs from :func:`value_and_grad`'s call, and what
+  it hands back."""
+  loss_fn: Any
+  has_aux: bool
+  params: Any
+  args: tuple
+  loss: Any = None
+  path: Any = None
+
+
+def value_and_grad(loss_fn, *, has_aux: bool = False):
+  """``jax.value_and_grad(loss_fn)`` for a model whose pipelined stack has
+  ``Pipeline(mode='1f1b')``: the loss and the gradients of every variable
+  in ``params`` (the stack's, and those of the layers before and after it),
+  computed with the one-forward-one-backward schedule.
+
+  ``loss_fn(params, *args)`` is the ordinary loss: it applies the model
+  (which calls the stack once) and reduces to a scalar that is a **mean
+  over the batch rows**. The stack's loop runs, on its last stage, the rest
+  of ``loss_fn`` after the stack (the head and the loss) one microbatch at a
+  time: ``loss_fn`` is called on microbatch ``m`` of every array in
+  ``args`` (rows ``m, m + M, ...``; each array's leading axis is the batch)
+  with the stack returning that microbatch's output, and the loss returned
+  is the mean over microbatches of those losses, which is ``loss_fn`` of the
+  whole batch up to float32 rounding. The layers before the stack run once
+  on the whole batch; their gradients come from the cotangent the loop
+  returns for the stack's input. Dropout keys are those the model draws on
+  the whole batch; each microbatch's head sees the same ones.
+
+  Args:
+    loss_fn: ``loss_fn(params, *args) -> loss`` (``(loss, aux)`` with
+      ``has_aux``); it must call exactly one ``'1f1b'`` stack.
+    has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` comes from one
+      call of ``loss_fn`` on the whole batch (e.g. updated collections).
+
+  Returns:
+    ``fn(params, *args) -> (loss, grads)`` (``((loss, aux), grads)`` with
+    ``has_aux``), ``grads`` shaped like ``params``; trace it under
+    ``jax.jit`` and a mesh with the pipeline's stage axis.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp, liftmods as nn
+    >>> class Block(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     return x + jnp.tanh(nn.Dense(x.shape[-1])(x))
+    >>> class Model(nn.Module):
+    ...   pipeline: nn.Pipeline
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     x = nn.Dense(8)(x)                                # embedding
+    ...     x = nn.Stack(Block, 2, pipeline=self.pipeline)()(x)
+    ...     return nn.Dense(1)(x)                             # head
+    >>> pipe = nn.Pipeline(stages=1, microbatches=2, mode='1f1b')
+    >>> x, y = jnp.ones((4, 3)), jnp.arange(4.)[:, None]
+    >>> params = Model(None).init(jax.random.key(0), x)['params']
+    >>> def loss_of(model):
+    ...   def loss_fn(params, x, y):
+    ...     return jnp.mean((model.apply({'params': params}, x) - y) ** 2)
+    ...   return loss_fn
+    >>> mesh = jax.make_mesh((1,), ('stage',),
+    ...                      axis_types=(jax.sharding.AxisType.Auto,))
+    >>> with jax.set_mesh(mesh):
+    ...   loss, grads = jax.jit(nn.pipeline.value_and_grad(
+    ...       loss_of(Model(pipe))))(params, x, y)
+    >>> ref_loss, ref = jax.value_and_grad(loss_of(Model(None)))(params, x, y)
+    >>> bool(jnp.allclose(loss, ref_loss)), sorted(grads)
+    (True, ['Dense_0', 'Dense_1', 'StackBlock_0'])
+    >>> all(bool(jnp.allclose(a, b, atol=1e-6)) for a, b in zip(
+    ...     jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref)))
+    True
+  """
+
+  def fn(params, *args):
+    def total(params):
+      step = _TrainStep(loss_fn, has_aux, params, args)
+      outer, _training.context = _training.context, step
+      try:
+        out = loss_fn(params, *args)
+      finally:
+        _training.context = outer
+      if step.loss is None:
+        raise PipelineError(
+            "pipeline.value_and_grad: loss_fn called no stack with "
+            "Pipeline(mode='1f1b'); for other stacks use "
+            'jax.value_and_grad.')
+      return (step.loss, out[1]) if has_aux else step.loss
+
+    return jax.value_and_grad(total, has_aux=has_aux)(params)
+
+  return fn
+
+
+def substituted(pipeline: Pipeline, path: Sequence[str], x):
+  """Inside the 1F1B loop's call of ``loss_fn`` on one microbatch: the
+  stack output the loop computed for it (the stack at ``path`` returns it
+  without running); otherwise None."""
+  y = _training.substitute
+  if y is None or pipeline.mode != '1f1b':
+    return None
+  if isinstance(y, _Capture):
+    y.value = x
+    return x
+  step = _training.context
+  if step is not None and step.path is not None and tuple(path) != step.path:
+    raise PipelineError(
+        f"pipeline.value_and_grad: loss_fn calls two stacks with Pipeline("
+        f"mode='1f1b'), at /{'/'.join(step.path)} and /{'/'.join(path)}; "
+        'it runs exactly one.')
+  if (jax.tree_util.tree_structure(x) != jax.tree_util.tree_structure(y) or
+      [jnp.shape(a) for a in jax.tree_util.tree_leaves(x)] !=
+      [jnp.shape(a) for a in jax.tree_util.tree_leaves(y)]):
+    raise PipelineError(
+        f"Stack at /{'/'.join(path)}: on one microbatch, loss_fn gave the "
+        'stack an input of shapes '
+        f'{[jnp.shape(a) for a in jax.tree_util.tree_leaves(x)]}, but the '
+        'microbatch of its whole-batch input has shapes '
+        f'{[jnp.shape(a) for a in jax.tree_util.tree_leaves(y)]}; every '
+        'array argument of loss_fn after params must have the batch as its '
+        'leading axis.')
+  return y
+
+
+def _inexact(tree):
+  """``(floating leaves, rebuild)``: the leaves gradients are taken of, and
+  ``rebuild(leaves)`` -> ``tree`` with them put back."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  where = [i for i, a in enumerate(leaves)
+           if jnp.issubdtype(jnp.result_type(a), jnp.inexact)]
+
+  def rebuild(new):
+    out = list(leaves)
+    for i, a in zip(where, new):
+      out[i] = a
+    return treedef.unflatten(out)
+
+  return [leaves[i] for i in where], rebuild
+
+
+def _without(tree, dropped):
+  """``tree`` with None for every leaf that is one of the arrays in
+  ``dropped`` (compared by identity)."""
+  ids = {id(a) for a in jax.tree_util.tree_leaves(dropped)}
+  return jax.tree_util.tree_map(lambda a: None if id(a) in ids else a, tree)
+
+
+def _surrogate(loss, pairs):
+  """``loss`` with the gradient ``g`` for each ``(value, g)`` in ``pairs``:
+  ``loss + Σ g·(v − v)``, every term exactly zero, and the only path
+  ``jax.grad`` can take (the loop's inputs are behind stop_gradient)."""
+  total = lax.stop_gradient(loss)
+  for value, grad in pairs:
+    total = total + jnp.sum(lax.stop_gradient(grad) *
+                            (value - lax.stop_gradient(value)))
+  return total
+
+
+class _Capture:
+  """While the loop runs ``loss_fn`` up to the stack on one microbatch: the
+  stack's input, which the stack records and returns unchanged."""
+  value: Any = None
+
+
+def _run_1f1b(pipeline, step, stage, mesh, micro, fixed, staged, path):
+  """The one-forward-one-backward loop: sets ``step.loss`` (the mean
+  microbatch loss, carrying every gradient) and returns the stack's
+  ``(c, mutable collections)`` as :func:`run` does (``c`` is the real
+  output only with ``has_aux``; otherwise nothing reads it).
+
+  Each iteration, stage ``s`` runs forward microbatch ``f = t − s`` and
+  backward microbatch ``b = t − 2S + 2 + s``, the latter's vjp recomputed
+  from the stage input it stored (a ring of ``2S − 1`` slots). Stage 0 runs
+  ``loss_fn`` up to the stack on microbatch ``f`` for the stage's input,
+  and its vjp on microbatch ``b``; the last stage runs ``loss_fn`` from the
+  stack's output on (and the vjp of) microbatch ``f = b``.
+  """
+  if step.path is None:
+    step.path = tuple(path.strip('/').split('/')) if path != '/' else ()
+  n_stages, n_micro = pipeline.stages, pipeline.microbatches
+  last = n_stages - 1
+  window = 2 * n_stages - 1  # microbatch inputs a stage holds at most
+  arrays, rebuild_args = split_arrays(step.args)
+  _microbatches(arrays, n_micro, path)  # checks the batch divides
+  # (B/M, M, ...): microbatch b is [:, b], rows b, b + M, ...; a view of
+  # the batch, where _microbatches' (M, B/M, ...) would be a copy of it.
+  batches = jax.tree_util.tree_map(
+      lambda a: a.reshape((a.shape[0] // n_micro, n_micro) + a.shape[1:]),
+      arrays)
+  # The other layers' parameters travel into the loop; the stack's own
+  # (which loss_fn's calls in the loop never read) must not, or every stage
+  # would get all of them.
+  outer = _without(step.params, fixed)
+  if len(jax.tree_util.tree_leaves(outer)) == len(
+      jax.tree_util.tree_leaves(step.params)):
+    raise PipelineError(
+        f'Stack at {path}: pipeline.value_and_grad cannot find the stack\'s '
+        'variables in the params given to loss_fn; loss_fn must pass them '
+        'to model.apply unchanged.')
+  sg = lambda tree: jax.tree_util.tree_map(lax.stop_gradient, tree)
+  zeros = lambda tree: jax.tree_util.tree_map(jnp.zeros_like, tree)
+  shape = jax.tree_util.tree_map(
+      lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), micro)
+
+  def per_stage(batches, outer, fixed, mutable, keys, per_layer):
+    fixed, mutable, keys, per_layer = _at((fixed, mutable, keys, per_layer), 0)
+    outer_diff, rebuild_outer = _inexact(outer)
+    fixed_diff, rebuild_fixed = _inexact(fixed)
+    s = lax.axis_index(pipeline.axis)
+    fill = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype),
+                                  shape)
+
+    def call(outer_diff, b, given):
+      """``loss_fn`` on microbatch ``b``, the stack replaced by ``given``."""
+      args = rebuild_args(jax.tree_util.tree_map(lambda a: a[:, b],
+                                                 batches))
+      saved, _training.substitute = _training.substitute, given
+      try:
+        return step.loss_fn(rebuild_outer(outer_diff), *args)
+      finally:
+        _training.substitute = saved
+
+    def embed(outer_diff, b):
+      """The stack's input on microbatch ``b`` (layers before the stack)."""
+      capture = _Capture()
+      call(outer_diff, b, capture)
+      return capture.value
+
+    def head(outer_diff, b, y):
+      """The loss of microbatch ``b`` from the stack's output ``y``."""
+      out = call(outer_diff, b, y)
+      return (out[0] if step.has_aux else out) / n_micro
+
+    def stage_once(x, fixed_diff, mutable):
+      return stage(x, rebuild_fixed(fixed_diff), 0, mutable, _at(keys, 0),
+                   _at(per_layer, 0))
+
+    # The stage is traced once, and its program run by the forward and by
+    # the backward's recomputation: tracing the blocks again would move
+    # their rng counters, and the recomputation would draw other dropout
+    # masks than the forward did.
+    traced, out_shape = jax.make_jaxpr(stage_once, return_shape=True)(
+        fill, fixed_diff, _at(mutable, 0))
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    program = jax.extend.core.jaxpr_as_fun(traced)
+
+    def forward(x, fixed_diff, mutable):
+      return out_tree.unflatten(program(
+          *jax.tree_util.tree_leaves((x, fixed_diff, mutable))))
+
+    def head_vjp(b, y):
+      loss, pull = jax.vjp(lambda o, y: head(o, b, y), outer_diff, y)
+      return (loss,) + pull(jnp.ones_like(loss))
+
+    def embed_vjp(b, d_x):
+      _, pull = jax.vjp(lambda o: embed(o, b), outer_diff)
+      return pull(d_x)[0]
+
+    put = lambda buf, i, v, ok: jax.tree_util.tree_map(
+        lambda b, a: b.at[i].set(jnp.where(ok, a, b[i])), buf, v)
+    add = lambda acc, d, ok: jax.tree_util.tree_map(
+        lambda a, g: a + jnp.where(ok, g, jnp.zeros_like(g)), acc, d)
+    stack_of = lambda tree, n: jax.tree_util.tree_map(
+        lambda a: jnp.broadcast_to(a, (n,) + a.shape), tree)
+
+    def iteration(carry, t):
+      (arrived, cotangent, inputs, states, mutable, grads, outer_grads, loss,
+       outputs) = carry
+      # Forward of microbatch f = t - s (as in GPipe).
+      f = t - s
+      f_ok = (f >= 0) & (f < n_micro)
+      f_at = jnp.clip(f, 0, n_micro - 1)
+      x = lax.cond(s == 0, lambda: embed(outer_diff, f_at), lambda: arrived)
+      x = _select(f_ok, x, fill)
+      state = _at(mutable, 0)
+      y, updated = forward(x, fixed_diff, state)
+      inputs = put(inputs, jnp.mod(f, window), x, f_ok)
+      states = put(states, jnp.mod(f, window), state, f_ok)
+      mutable = jax.tree_util.tree_map(
+          lambda old, new: old.at[0].set(jnp.where(f_ok, new, old[0])),
+          mutable, updated)
+      if step.has_aux:
+        outputs = put(outputs, f_at, y, f_ok & (s == last))
+      # Backward of microbatch b = t - (2S - 2 - s): on the last stage the
+      # one just run forward, its cotangent from the loss; elsewhere the
+      # cotangent the next stage sent.
+      b = t - (2 * n_stages - 2) + s
+      b_ok = (b >= 0) & (b < n_micro)
+      b_at = jnp.clip(b, 0, n_micro - 1)
+      l_b, d_head, d_y = lax.cond(
+          s == last, head_vjp,
+          lambda b, y: (jnp.zeros(()), zeros(outer_diff), zeros(y)), b_at, y)
+      ct = _select(s == last, d_y, cotangent)
+      ct = _select(b_ok, ct, zeros(ct))
+      slot = jnp.mod(b, window)
+      stored = _at(states, slot)
+      _, pull = jax.vjp(lambda x, p: forward(x, p, stored)[0],
+                        _at(inputs, slot), fixed_diff)
+      d_x, d_fixed = pull(ct)
+      d_embed = lax.cond(s == 0, embed_vjp,
+                         lambda b, d_x: zeros(outer_diff), b_at, d_x)
+      grads = add(grads, d_fixed, b_ok)
+      outer_grads = add(outer_grads, d_head, b_ok & (s == last))
+      outer_grads = add(outer_grads, d_embed, b_ok & (s == 0))
+      loss = loss + jnp.where(b_ok & (s == last), l_b, 0.)
+      arrived = lax.ppermute(y, pipeline.axis, _neighbours(n_stages, 1))
+      cotangent = lax.ppermute(d_x, pipeline.axis, _neighbours(n_stages, -1))
+      return (arrived, cotangent, inputs, states, mutable, grads, outer_grads,
+              loss, outputs), None
+
+    carry = (_garbage(fill), _garbage(fill), stack_of(fill, window),
+             stack_of(_at(mutable, 0), window), mutable, zeros(fixed_diff),
+             zeros(outer_diff), jnp.zeros(()),
+             stack_of(fill, n_micro if step.has_aux else 0))
+    carry, _ = lax.scan(iteration, carry, jnp.arange(pipeline.iterations))
+    _, _, _, _, mutable, grads, outer_grads, loss, outputs = carry
+    return _lead((outputs, mutable, grads, outer_grads, loss))
+
+  spec = PartitionSpec(pipeline.axis)
+  outputs, mutable, grads, outer_grads, loss = jax.shard_map(
+      per_stage, mesh=mesh, in_specs=(PartitionSpec(),) * 2 + (spec,) * 4,
+      out_specs=spec, axis_names={pipeline.axis}, check_vma=False)(
+          batches, sg(outer), *sg(staged))
+  # The gradients enter jax.grad's trace through the stack's variables (in
+  # stored order: (L, ...)) and the other layers' parameters (stage 0 holds
+  # those of the layers before the stack, the last stage those after).
+  leaves = jax.tree_util.tree_leaves
+  step.loss = _surrogate(
+      loss[last],
+      list(zip(_inexact(fixed)[0], leaves(_unstaged(grads)))) +
+      list(zip(_inexact(outer)[0],
+               [g.sum(0) for g in leaves(outer_grads)])))
+  out = _join(_at(outputs, last)) if step.has_aux else _join(micro)
+  return out, _unstaged(mutable)
 
 
 def _lead(tree):

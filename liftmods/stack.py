@@ -541,6 +541,9 @@ def _run(self, block, config, fold, x, args, kwargs):
         'has no pipelined form.')
   if config['pipeline'] is not None:
     pipelining.note_stack(self.scope.path, config['pipeline'])
+    given = pipelining.substituted(config['pipeline'], self.scope.path, x)
+    if given is not None:  # 1F1B: the loop ran the stack on this microbatch
+      return given
   name = block.__name__
   block_call = block.__call__
 

@@ -461,6 +461,205 @@ def test_errors_name_the_problem():
     stack.apply(v, x, method='scan')
 
 
+class Model(nn.Module):
+  """An input layer, a pipelined stack of ``block``s, an output layer: the
+  1F1B schedule must give every one of them its gradients."""
+  block: type
+  length: int
+  pipeline: nn.Pipeline | None
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(WIDTH)(x)
+    x = nn.Stack(self.block, self.length, pipeline=self.pipeline)(
+        name='blocks')(x)
+    return nn.Dense(3)(x)
+
+
+def model_loss(model):
+  def loss_fn(params, x, target):
+    return jnp.mean((model.apply({'params': params}, x) - target) ** 2)
+  return loss_fn
+
+
+def model_batch(rows, seed=1):
+  x = jax.random.normal(jax.random.key(seed), (rows, 5))
+  return x, jax.random.normal(jax.random.key(seed + 1), (rows, 3))
+
+
+def one_f_one_b(stages, micro, block=Block, length=None, **options):
+  pipe = nn.Pipeline(stages=stages, microbatches=micro, mode='1f1b',
+                     **options)
+  return Model(block, length or 2 * stages, pipe), pipe
+
+
+@pytest.mark.parametrize('stages,micro,data', [
+    (2, 2, 1), (4, 4, 2), pytest.param(4, 8, 1, marks=_MORE)])
+def test_1f1b_matches_unpipelined_and_gpipe(stages, micro, data):
+  """Loss and the gradients of every layer (before, in and after the
+  stack). Block gives NaN on the all-zero input an idle slot holds, and
+  what arrives before real work is NaN: any leak would show."""
+  model, pipe = one_f_one_b(stages, micro)
+  plain = Model(Block, 2 * stages, None)
+  gpipe = Model(Block, 2 * stages, dataclasses.replace(pipe, mode='gpipe'))
+  x, target = model_batch(32)
+  params = init(plain, x)['params']
+  loss_ref, grads_ref = jax.jit(jax.value_and_grad(model_loss(plain)))(
+      params, x, target)
+  with jax.set_mesh(mesh_of(stages, data)):
+    loss, grads = jax.jit(nn.pipeline.value_and_grad(model_loss(model)))(
+        params, x, target)
+    loss_g, grads_g = jax.jit(jax.value_and_grad(model_loss(gpipe)))(
+        params, x, target)
+    # Outside value_and_grad the stack runs the GPipe forward loop.
+    y = jax.jit(model.apply)({'params': params}, x)
+  assert sorted(grads) == ['Dense_0', 'Dense_1', 'blocks']
+  np.testing.assert_allclose(loss, loss_ref, rtol=OUT_RTOL)
+  assert_grads_close(grads, grads_ref)
+  assert_grads_close(grads, grads_g)
+  np.testing.assert_allclose(loss, loss_g, rtol=OUT_RTOL)
+  y_ref = plain.apply({'params': params}, x)
+  np.testing.assert_allclose(y, y_ref, rtol=0,
+                             atol=OUT_RTOL * np.abs(y_ref).max())
+
+
+def test_1f1b_against_microbatch_loop():
+  """The reference runs the unpipelined model on each microbatch, in
+  order, and adds loss / M and gradients as the 1F1B loop does. The
+  arithmetic still differs in the last bits (the loop's backward pass is
+  a vjp recomputed from the stage input, compiled inside the loop), so the
+  check is a few ulp of each gradient's largest entry: 10x tighter than
+  against the whole-batch model."""
+  model, _ = one_f_one_b(2, 4)
+  plain = Model(Block, 4, None)
+  x, target = model_batch(16)
+  params = init(plain, x)['params']
+  with jax.set_mesh(mesh_of(2, 1)):
+    loss, grads = jax.jit(nn.pipeline.value_and_grad(model_loss(model)))(
+        params, x, target)
+  step = jax.jit(jax.value_and_grad(
+      lambda p, x, t: model_loss(plain)(p, x, t) / 4))
+  total_loss, total = step(params, x[0::4], target[0::4])
+  for m in range(1, 4):
+    loss_m, g_m = step(params, x[m::4], target[m::4])
+    total_loss = total_loss + loss_m
+    total = jax.tree_util.tree_map(jnp.add, total, g_m)
+  np.testing.assert_allclose(loss, total_loss, rtol=1e-6)
+  assert jax.tree_util.tree_structure(grads) == (
+      jax.tree_util.tree_structure(total))
+  for got, want in zip(leaves(grads), leaves(total)):
+    np.testing.assert_allclose(got, want, rtol=0,
+                               atol=1e-6 * np.abs(want).max())
+
+
+def test_1f1b_dropout_uses_the_gpipe_keys():
+  model, pipe = one_f_one_b(2, 4, block=Dropped)
+  gpipe = Model(Dropped, 4, dataclasses.replace(pipe, mode='gpipe'))
+  x, target = model_batch(16)
+  params = init(Model(Dropped, 4, None), x)['params']
+
+  def loss_of(model, key):
+    def loss_fn(params, x, target):
+      y = model.apply({'params': params}, x, rngs={'dropout': key})
+      return jnp.mean((y - target) ** 2)
+    return loss_fn
+
+  key = jax.random.key(7)
+  with jax.set_mesh(mesh_of(2, 1)):
+    run = lambda grad, model, key: jax.jit(grad(loss_of(model, key)))(
+        params, x, target)
+    loss, grads = run(nn.pipeline.value_and_grad, model, key)
+    loss_g, grads_g = run(jax.value_and_grad, gpipe, key)
+    other, _ = run(nn.pipeline.value_and_grad, model, jax.random.key(8))
+  np.testing.assert_allclose(loss, loss_g, rtol=OUT_RTOL)
+  assert_grads_close(grads, grads_g)
+  assert abs(float(other) - float(loss)) > 1e-3  # dropout is active
+
+
+def test_1f1b_counts_each_microbatch_once_and_returns_aux():
+  model, pipe = one_f_one_b(4, 8, block=Counted, length=8,
+                            per_microbatch=('counts',))
+  x, target = model_batch(16)
+  variables = init(model, x)
+  assert (variables['counts']['blocks']['calls'] == 1).all()
+
+  def loss_fn(params, x, target):
+    y, updated = model.apply({'params': params,
+                              'counts': variables['counts']}, x,
+                             mutable=['counts'])
+    return jnp.mean((y - target) ** 2), (updated, y)
+
+  plain = Model(Counted, 8, None)
+  with jax.set_mesh(mesh_of(4, 1)):
+    (loss, (updated, y)), grads = jax.jit(nn.pipeline.value_and_grad(
+        loss_fn, has_aux=True))(variables['params'], x, target)
+  # Once per microbatch and layer, never on an idle iteration.
+  np.testing.assert_array_equal(updated['counts']['blocks']['calls'],
+                                np.full(8, 1 + 8))
+  # aux comes from loss_fn on the whole batch, with the loop's outputs.
+  y_plain, _ = plain.apply(variables, x, mutable=['counts'])
+  np.testing.assert_allclose(y, y_plain, rtol=2e-5, atol=1e-5)
+  np.testing.assert_allclose(loss, jnp.mean((y_plain - target) ** 2),
+                             rtol=1e-5)
+  assert all(np.isfinite(g).all() for g in leaves(grads))
+
+
+@pytest.mark.integration
+def test_1f1b_activation_memory_does_not_grow_with_microbatches():
+  """At a fixed microbatch size, GPipe's train step keeps every
+  iteration's activations (temp grows with M); 1F1B keeps at most 2S - 1
+  stage inputs. The stack's parameters stay on their stage (no
+  all-gather)."""
+  def temp(mode, micro):
+    pipe = nn.Pipeline(stages=2, microbatches=micro, mode=mode)
+    model = Model(Block, 4, pipe)
+    x, target = model_batch(4 * micro)
+    params = init(Model(Block, 4, None), x)['params']
+    grad = (nn.pipeline.value_and_grad if mode == '1f1b' else
+            jax.value_and_grad)(model_loss(model))
+    with jax.set_mesh(mesh_of(2, 1)):
+      compiled = jax.jit(grad).lower(params, x, target).compile()
+    counts = collectives(compiled.as_text())
+    assert counts['all-gather'] == 0, counts
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  gpipe = [temp('gpipe', m) for m in (4, 32)]
+  ours = [temp('1f1b', m) for m in (4, 32)]
+  assert gpipe[1] > 2 * gpipe[0], gpipe
+  assert ours[1] <= 1.1 * ours[0], ours
+
+
+def test_1f1b_errors_name_the_problem():
+  with pytest.raises(ValueError, match=r"mode='1f1b' runs repeats=1"):
+    nn.Pipeline(stages=2, microbatches=2, repeats=2, mode='1f1b')
+  with pytest.raises(ValueError, match='remat_iterations applies to'):
+    nn.Pipeline(stages=2, microbatches=2, remat_iterations=True,
+                mode='1f1b')
+  with pytest.raises(ValueError, match=r"Pipeline.mode must be 'gpipe' or "
+                     r"'1f1b'; got '1F1B'"):
+    nn.Pipeline(stages=2, microbatches=2, mode='1F1B')
+  x, target = model_batch(8)
+  plain = Model(Block, 4, None)
+  params = init(plain, x)['params']
+  with pytest.raises(nn.PipelineError, match=r"loss_fn called no stack with "
+                     r"Pipeline\(mode='1f1b'\)"):
+    nn.pipeline.value_and_grad(model_loss(plain))(params, x, target)
+  model, _ = one_f_one_b(2, 4)
+
+  def casts(params, x, target):
+    params = jax.tree_util.tree_map(lambda p: p * 1.0, params)
+    return model_loss(model)(params, x, target)
+
+  with jax.set_mesh(mesh_of(2, 1)):
+    with pytest.raises(nn.PipelineError, match=r"Stack at /blocks: "
+                       r"pipeline.value_and_grad cannot find the stack's "
+                       r'variables in the params given to loss_fn'):
+      nn.pipeline.value_and_grad(casts)(params, x, target)
+    with pytest.raises(nn.PipelineError, match=r'divisible by '
+                       r'microbatches=4; got a carry of shape \(6, 8\)'):
+      nn.pipeline.value_and_grad(model_loss(model))(params, *model_batch(6))
+
+
 @pytest.mark.integration
 def test_lm_train_step_pipelined_over_four_stages():
   from examples.lm import model as lm  # pylint: disable=g-import-not-at-top
