@@ -526,11 +526,13 @@ class _TrainStep:
   has_aux: bool
   params: Any
   args: tuple
+  shared: frozenset
   loss: Any = None
   path: Any = None
 
 
-def value_and_grad(loss_fn, *, has_aux: bool = False):
+def value_and_grad(loss_fn, *, has_aux: bool = False,
+                   shared_argnums: Sequence[int] = ()):
   """``jax.value_and_grad(loss_fn)`` for a model whose pipelined stack has
   ``Pipeline(mode='1f1b')``: the loss and the gradients of every variable
   in ``params`` (the stack's, and those of the layers before and after it),
@@ -541,7 +543,8 @@ def value_and_grad(loss_fn, *, has_aux: bool = False):
   over the batch rows**. The stack's loop runs, on its last stage, the rest
   of ``loss_fn`` after the stack (the head and the loss) one microbatch at a
   time: ``loss_fn`` is called on microbatch ``m`` of every array in
-  ``args`` (rows ``m, m + M, ...``; each array's leading axis is the batch)
+  ``args`` (rows ``m, m + M, ...``; each array's leading axis is the batch,
+  except scalars and the arguments in ``shared_argnums``, passed whole)
   with the stack returning that microbatch's output, and the loss returned
   is the mean over microbatches of those losses, which is ``loss_fn`` of the
   whole batch up to float32 rounding. The layers before the stack run once
@@ -554,6 +557,9 @@ def value_and_grad(loss_fn, *, has_aux: bool = False):
       ``has_aux``); it must call exactly one ``'1f1b'`` stack.
     has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` comes from one
       call of ``loss_fn`` on the whole batch (e.g. updated collections).
+    shared_argnums: positions in ``loss_fn``'s signature (``params`` is 0)
+      of arguments without a batch axis, passed whole to every
+      microbatch's call (a PRNG key array is a scalar and needs no entry).
 
   Returns:
     ``fn(params, *args) -> (loss, grads)`` (``((loss, aux), grads)`` with
@@ -594,9 +600,14 @@ def value_and_grad(loss_fn, *, has_aux: bool = False):
     True
   """
 
+  shared = frozenset(shared_argnums)
+  if 0 in shared:
+    raise ValueError('pipeline.value_and_grad: shared_argnums counts params '
+                     'as 0; it is differentiated, not shared.')
+
   def fn(params, *args):
     def total(params):
-      step = _TrainStep(loss_fn, has_aux, params, args)
+      step = _TrainStep(loss_fn, has_aux, params, args, shared)
       outer, _training.context = _training.context, step
       try:
         out = loss_fn(params, *args)
@@ -703,12 +714,20 @@ def _run_1f1b(pipeline, step, stage, mesh, micro, fixed, staged, path):
   last = n_stages - 1
   window = 2 * n_stages - 1  # microbatch inputs a stage holds at most
   arrays, rebuild_args = split_arrays(step.args)
-  _microbatches(arrays, n_micro, path)  # checks the batch divides
+  batched = [jnp.ndim(a) > 0 and i + 1 not in step.shared
+             for i, arg in enumerate(step.args)
+             for a in split_arrays(arg)[0]]
+  for a, is_batch in zip(arrays, batched):
+    if is_batch and jnp.shape(a)[0] % n_micro:
+      raise PipelineError(
+          f'pipeline.value_and_grad: every array argument of loss_fn after '
+          f'params is split into microbatches=M={n_micro} along its leading '
+          f'(batch) axis; got one of shape {jnp.shape(a)}. Declare '
+          'arguments without a batch axis in shared_argnums.')
   # (B/M, M, ...): microbatch b is [:, b], rows b, b + M, ...; a view of
   # the batch, where _microbatches' (M, B/M, ...) would be a copy of it.
-  batches = jax.tree_util.tree_map(
-      lambda a: a.reshape((a.shape[0] // n_micro, n_micro) + a.shape[1:]),
-      arrays)
+  batches = [a.reshape((a.shape[0] // n_micro, n_micro) + a.shape[1:])
+             if is_batch else a for a, is_batch in zip(arrays, batched)]
   # The other layers' parameters travel into the loop; the stack's own
   # (which loss_fn's calls in the loop never read) must not, or every stage
   # would get all of them.
@@ -734,8 +753,8 @@ def _run_1f1b(pipeline, step, stage, mesh, micro, fixed, staged, path):
 
     def call(outer_diff, b, given):
       """``loss_fn`` on microbatch ``b``, the stack replaced by ``given``."""
-      args = rebuild_args(jax.tree_util.tree_map(lambda a: a[:, b],
-                                                 batches))
+      args = rebuild_args([a[:, b] if is_batch else a
+                           for a, is_batch in zip(batches, batched)])
       saved, _training.substitute = _training.substitute, given
       try:
         return step.loss_fn(rebuild_outer(outer_diff), *args)
@@ -746,6 +765,14 @@ def _run_1f1b(pipeline, step, stage, mesh, micro, fixed, staged, path):
       """The stack's input on microbatch ``b`` (layers before the stack)."""
       capture = _Capture()
       call(outer_diff, b, capture)
+      got = jax.tree_util.tree_map(jnp.shape, capture.value)
+      if got != jax.tree_util.tree_map(lambda a: a.shape, shape):
+        raise PipelineError(
+            f'Stack at {path}: on one microbatch, loss_fn gave the stack an '
+            f'input of shape {got}, not the microbatch\'s '
+            f'{jax.tree_util.tree_map(lambda a: a.shape, shape)}: pass the '
+            'batch to loss_fn as an argument (after params), not in a '
+            'closure, so that pipeline.value_and_grad can split it.')
       return capture.value
 
     def head(outer_diff, b, y):

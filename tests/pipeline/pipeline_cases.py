@@ -658,14 +658,21 @@ def test_1f1b_errors_name_the_problem():
     with pytest.raises(nn.PipelineError, match=r'divisible by '
                        r'microbatches=4; got a carry of shape \(6, 8\)'):
       nn.pipeline.value_and_grad(model_loss(model))(params, *model_batch(6))
+    with pytest.raises(nn.PipelineError, match=r'split into microbatches='
+                       r'M=4 along its leading \(batch\) axis; got one of '
+                       r'shape \(6, 3\)'):
+      nn.pipeline.value_and_grad(model_loss(model))(params, x,
+                                                    target[:6])
 
 
 @pytest.mark.integration
-def test_lm_train_step_pipelined_over_four_stages():
+@pytest.mark.parametrize('mode', ['gpipe', '1f1b'])
+def test_lm_train_step_pipelined_over_four_stages(mode):
   from examples.lm import model as lm  # pylint: disable=g-import-not-at-top
+  from examples.lm import train as lm_train  # pylint: disable=g-import-not-at-top
   config = lm.Config(max_len=8, num_layers=4, num_heads=2, d_model=16,
                      mlp_ratio=2, dropout_rate=0.0)
-  pipe = nn.Pipeline(stages=4, microbatches=4)
+  pipe = nn.Pipeline(stages=4, microbatches=4, mode=mode)
   plain = lm.TransformerLM(config)
   pipelined = lm.TransformerLM(dataclasses.replace(config, pipeline=pipe))
   tokens = (jnp.arange(8 * 9, dtype=jnp.int32).reshape(8, 9) * 7) % 256
@@ -678,14 +685,17 @@ def test_lm_train_step_pipelined_over_four_stages():
   optimizer = optax.sgd(0.1)
 
   def train_step(model):
-    def loss_fn(params):
+    def loss_fn(params, tokens):
       logits = model.apply({'params': params}, tokens[:, :-1], train=True)
       return optax.softmax_cross_entropy_with_integer_labels(
           logits, tokens[:, 1:]).mean()
 
+    grad_fn = (nn.pipeline.value_and_grad if model.config.pipeline and
+               model.config.pipeline.mode == '1f1b' else jax.value_and_grad)
+
     @jax.jit
     def step(params, opt_state):
-      loss, grads = jax.value_and_grad(loss_fn)(params)
+      loss, grads = grad_fn(loss_fn)(params, tokens)
       updates, opt_state = optimizer.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), loss, grads
     return step
@@ -701,4 +711,16 @@ def test_lm_train_step_pipelined_over_four_stages():
   assert_grads_close(to_stack(grads_p), grads,
                      scale=max(np.abs(g).max() for g in leaves(grads)))
   for a, b in zip(leaves(to_stack(new_p)), leaves(new)):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-7)
+  # The demo's own train step picks the schedule from the config.
+  lm_step = lambda model: lm_train.make_train_step(model, optimizer, 0)
+  # (a fresh copy each time: the step donates its state)
+  state = lambda: jax.tree_util.tree_map(jnp.copy, {
+      'step': jnp.array(0, jnp.int32), 'params': params,
+      'opt_state': optimizer.init(params)})
+  demo, demo_loss = lm_step(plain)(state(), tokens)
+  with jax.set_mesh(mesh_of(4, 1)):
+    demo_p, demo_loss_p = lm_step(pipelined)(state(), tokens)
+  np.testing.assert_allclose(demo_loss_p, demo_loss, rtol=1e-6)
+  for a, b in zip(leaves(demo_p['params']), leaves(demo['params'])):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-7)
