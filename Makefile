@@ -28,7 +28,7 @@ venv-tpu: $(TPU_VENV)/.installed
 test-tpu: $(TPU_VENV)/.installed
 	$(TPU_VENV)/bin/python -m pytest tests/tpu
 
-.PHONY: demo demo-spirals test test-integration bench docs clean venv-tpu test-tpu
+.PHONY: demo demo-spirals test test-integration bench bench-accel docs clean venv-tpu test-tpu
 demo: $(STAMP)
 	$(VENV)/bin/python -m examples.lm
 
@@ -48,6 +48,14 @@ docs: $(DOCS_STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/python -m benchmarks.trace_overhead
+
+# liftmods vs flax.linen on the first device of this machine (GPU, TPU, or
+# CPU at small sizes): LM step and MFU, stack memory, nn.jit dispatch. Its
+# phase budgets add up to 7 minutes (an H100 window of 8). ACCEL_FLAGS adds
+# flags, e.g. ACCEL_FLAGS=--stack_search.
+ACCEL_OUT ?= bench-out/accel
+bench-accel: $(STAMP)
+	$(VENV)/bin/python -m benchmarks.accelerator --out_dir=$(ACCEL_OUT) $(ACCEL_FLAGS)
 
 clean:
 	rm -rf $(VENV) $(TPU_VENV) site

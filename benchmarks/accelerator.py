@@ -97,7 +97,7 @@ PRESETS = {
                    stack_batch=16384, stack_rounds=5, search_step=64,
                    jit_depth=24, jit_rounds=5, jit_calls=300),
     'cpu': dict(lm_size='demo', lm_batch=8, lm_rounds=5, lm_steps=3,
-                lm_jit_calls=20, stack_depth=16, stack_hidden=64,
+                lm_jit_calls=20, stack_depth=64, stack_hidden=64,
                 stack_batch=512, stack_rounds=5, search_step=16,
                 jit_depth=24, jit_rounds=5, jit_calls=200),
     'tiny': dict(lm_size='tiny', lm_batch=2, lm_rounds=2, lm_steps=2,
@@ -128,32 +128,40 @@ flags.DEFINE_list('phases', list(PHASES), f'phases to run, from {PHASES}')
 flags.DEFINE_enum('preset', 'auto', ['auto', *PRESETS],
                   'sizes: device (GPU/TPU), cpu, tiny (smoke test); auto: '
                   'device or cpu by backend')
-flags.DEFINE_string('lm_size', '', 'LM size: tiny, demo, 125m, 350m, 1b, '
-                    '8b, 70b (empty: the preset\'s; on a device, by memory)')
-flags.DEFINE_integer('lm_batch', 0, 'LM sequences per step')
-flags.DEFINE_integer('lm_rounds', 0, 'interleaved rounds of LM steps')
-flags.DEFINE_integer('lm_steps', 0, 'timed LM steps per library per round')
-flags.DEFINE_integer('lm_jit_calls', 0, 'eager LM forward calls per round')
-flags.DEFINE_integer('stack_depth', 0, 'stack depth (a multiple of 8: '
-                     'remat_scan runs 8 x depth/8)')
-flags.DEFINE_integer('stack_hidden', 0, 'stack width H')
-flags.DEFINE_integer('stack_batch', 0, 'stack batch')
-flags.DEFINE_integer('stack_rounds', 0, 'round-robin rounds of stack steps')
+# Size flags: 0 or '' (the default) takes the preset's value.
+SIZE_FLAGS = {
+    'lm_size': 'LM size: tiny, demo, 125m, 350m, 1b, 8b, 70b (on a device '
+               'the preset picks one by memory)',
+    'lm_batch': 'LM sequences per step',
+    'lm_rounds': 'interleaved rounds of LM steps, traces and eager calls',
+    'lm_steps': 'timed LM steps per library per round',
+    'lm_jit_calls': 'eager LM forward calls per round',
+    'stack_depth': 'stack depth (a multiple of 8: remat_scan runs 8 x D/8)',
+    'stack_hidden': 'stack width H',
+    'stack_batch': 'stack batch',
+    'stack_rounds': 'round-robin rounds of stack steps',
+    'search_step': 'depth resolution of --stack_search',
+    'jit_depth': 'depth of the eager-call scan model',
+    'jit_rounds': 'alternating rounds of eager calls',
+    'jit_calls': 'blocked eager calls per round',
+}
+for _name, _help in SIZE_FLAGS.items():
+  if isinstance(PRESETS['cpu'][_name], str):
+    flags.DEFINE_string(_name, '', _help)
+  else:
+    flags.DEFINE_integer(_name, 0, _help)
+BUDGETS = {'lm': 220, 'stack': 150, 'search': 180, 'jit': 50}
+for _name, _seconds in BUDGETS.items():
+  flags.DEFINE_float(f'{_name}_budget_s', _seconds,
+                     f'seconds for the {_name} phase (its child is stopped '
+                     f'{GRACE_S} s after)')
 flags.DEFINE_list('stack_rows', list(STACK_ROWS),
                   'benchmarks.stack rows to measure')
 flags.DEFINE_enum('stack_isolate', 'auto', ['auto', 'always', 'never'],
                   'measure each stack row\'s device peak in a fresh process '
                   '(auto: where the device reports memory_stats)')
 flags.DEFINE_bool('stack_search', False, 'also find the largest depth that '
-                  'runs for policy full and nested (takes --search_budget_s)')
-flags.DEFINE_integer('search_step', 0, 'depth resolution of --stack_search')
-flags.DEFINE_integer('jit_depth', 0, 'depth of the eager-call scan model')
-flags.DEFINE_integer('jit_rounds', 0, 'alternating rounds of eager calls')
-flags.DEFINE_integer('jit_calls', 0, 'blocked eager calls per round')
-flags.DEFINE_float('lm_budget_s', 220, 'seconds for the lm phase')
-flags.DEFINE_float('stack_budget_s', 150, 'seconds for the stack phase')
-flags.DEFINE_float('search_budget_s', 180, 'seconds for --stack_search')
-flags.DEFINE_float('jit_budget_s', 50, 'seconds for the jit phase')
+                  'runs for policy full and nested (--search_budget_s)')
 flags.DEFINE_float('peak_tflops', 0, 'peak bf16 TFLOP/s for MFU (0: from '
                    'the device kind)')
 flags.DEFINE_string('child', '', 'internal: run this part here')
@@ -376,13 +384,19 @@ def stack_child(rec: Record, deadline: float, probe: bool):
   depth, hidden = setting('stack_depth'), setting('stack_hidden')
   device = jax.devices()[0]
   x = jax.random.normal(jax.random.key(1), (setting('stack_batch'), hidden))
-  v = sb.stack_net(depth, hidden).init(jax.random.key(0), x[:1])
+  key = jax.random.key(0)
+  # One set of variables for all rows (remat_scan's reshaped from it), or
+  # in a probe the row's own only, so that its peak holds nothing else.
+  v = None if probe else sb.stack_net(depth, hidden).init(key, x[:1])
   rec.update(depth=depth, hidden=hidden, batch=setting('stack_batch'),
              offload_supported=offload_supported(), rows={})
   compiled = {}
   for label, model in stack_models(sb, depth, hidden).items():
     row = rec['rows'][label] = {}
-    args = sb.remat_scan_layout(v, depth) if 'remat_scan' in label else v
+    if probe:
+      args = jax.jit(model.init)(key, x[:1])
+    else:
+      args = sb.remat_scan_layout(v, depth) if 'remat_scan' in label else v
     # The device's peak counter only grows: a row's own peak needs a
     # fresh process (probe).
     before = device.memory_stats() if probe else None
@@ -487,29 +501,33 @@ def spawn(part: str, budget_s: float, *extra: str) -> dict:
   return rec
 
 
+def note_device(results: dict, rec: dict):
+  if not results.get('device'):
+    results['device'] = rec.get('device')
+
+
 def run_lm(results: dict):
   deadline = time.perf_counter() + F.lm_budget_s
   sizes = [s for _, s in DEVICE_LM_SIZES]
-  extra = ()
+  extra, too_large = (), []
   while True:
     rec = spawn('lm', max(0.0, deadline - time.perf_counter()), *extra)
-    results['lm'] = rec
     size = rec.get('size')
     # Too large for the device: the next size down, while time is left.
     if not (rec.get('oom') and size in sizes[:-1] and not F.lm_size and
             deadline - time.perf_counter() > 60):
       break
-    results.setdefault('lm_out_of_memory', []).append(size)
+    too_large.append(size)
     extra = (f'--lm_size={sizes[sizes.index(size) + 1]}',)
-  results['lm']['out_of_memory_sizes'] = results.pop('lm_out_of_memory', [])
-  results.setdefault('device', rec.get('device'))
+  results['lm'] = dict(rec, out_of_memory_sizes=too_large)
+  note_device(results, rec)
 
 
 def run_stack(results: dict):
   deadline = time.perf_counter() + F.stack_budget_s
   rec = spawn('stack', F.stack_budget_s)
   results['stack'] = rec
-  results.setdefault('device', rec.get('device'))
+  note_device(results, rec)
   stats = (rec.get('device') or {}).get('memory_stats')
   isolate = F.stack_isolate == 'always' or (F.stack_isolate == 'auto' and
                                             stats)
@@ -522,46 +540,53 @@ def run_stack(results: dict):
     if left < 5:
       row['device_peak'] = 'skipped: the stack budget is spent'
       continue
-    probe = spawn('stack_probe', left, f'--stack_rows={label}')
-    got = probe.get('rows', {}).get(label, {})
+    got = probe_row(label, rec['depth'], left)
     for key in ('device_peak_bytes', 'live_before_bytes'):
       if key in got:
         row[key] = got[key]
-    row['device_peak'] = got.get('status', probe['status'])
+    row['device_peak'] = got['status']
   if F.stack_search:
-    rec['search'] = search_depths(rec)
+    settings = PRESETS[rec.get('preset', 'device')]
+    rec['search'] = search_depths(
+        rec, F.search_step or settings['search_step'], F.search_budget_s,
+        probe_row)
 
 
-def search_depths(stack_rec: dict) -> dict:
-  """The largest depth (a multiple of --search_step) at which each of
-  SEARCH_ROWS runs: doubling from the stack depth until a depth fails for
-  memory, then bisecting; each probe a fresh process."""
+def probe_row(label: str, depth: int, seconds: float) -> dict:
+  """One stack row at ``depth`` compiled and run in a fresh process: its
+  record (``fits``, ``status``, device peak), or its process's status."""
+  rec = spawn('stack_probe', seconds, f'--stack_rows={label}',
+              f'--stack_depth={depth}')
+  return rec.get('rows', {}).get(label) or {'status': rec['status']}
+
+
+def search_depths(stack_rec: dict, step: int, budget_s: float,
+                  probe) -> dict:
+  """The largest depth (a multiple of ``step`` above the stack's depth) at
+  which each of SEARCH_ROWS runs: doubling from the stack's depth until a
+  depth does not fit in memory, then bisecting. ``probe(label, depth,
+  seconds)`` is :func:`probe_row`; ``budget_s`` is shared equally."""
   if not (stack_rec.get('device') or {}).get('memory_stats'):
     return {'status': 'skipped: needs a device with its own memory limit '
                       '(the backend reports no memory_stats)'}
-  settings = PRESETS[stack_rec.get('preset', 'device')]
-  step = F.search_step or settings['search_step']
-  start = stack_rec.get('depth') or settings['stack_depth']
-  deadline = time.perf_counter() + F.search_budget_s
-  out = {'step': step}
+  if not stack_rec.get('depth'):
+    return {'status': 'skipped: the stack phase did not start'}
+  deadline = time.perf_counter() + budget_s
+  out = {'step': step, 'status': 'ok'}
   for i, label in enumerate(SEARCH_ROWS):
     fits, refused, probes = 0, None, {}
-    depth = start
-    while depth:
-      # Each row gets an equal share of what is left.
-      left = (deadline - time.perf_counter()) / (len(SEARCH_ROWS) - i)
-      if left < 10:
-        break
-      rec = spawn('stack_probe', left, f'--stack_rows={label}',
-                  f'--stack_depth={depth}')
-      row = rec.get('rows', {}).get(label, {})
-      probes[depth] = row.get('status', rec['status'])
+    depth = stack_rec['depth']
+    row_deadline = time.perf_counter() + (
+        deadline - time.perf_counter()) / (len(SEARCH_ROWS) - i)
+    while depth and row_deadline - time.perf_counter() >= 10:
+      row = probe(label, depth, row_deadline - time.perf_counter())
+      probes[depth] = row['status']
       if row.get('fits'):
         fits = depth
-      elif row.get('status', '').startswith('does not fit'):
+      elif row['status'].startswith('does not fit'):
         refused = min(refused or depth, depth)
       else:
-        break  # neither: an error, recorded in probes
+        break  # neither: an error, kept in probes
       if refused is None:
         depth *= 2
       elif refused - fits <= step:
@@ -578,7 +603,7 @@ def search_depths(stack_rec: dict) -> dict:
 def run_jit(results: dict):
   rec = spawn('jit', F.jit_budget_s)
   results['jit'] = rec
-  results.setdefault('device', rec.get('device'))
+  note_device(results, rec)
 
 
 RUNNERS = {'lm': run_lm, 'stack': run_stack, 'jit': run_jit}

@@ -168,3 +168,40 @@ def test_rows_in_fresh_processes(tmp_path):
 def test_peak_flops_by_device_kind(kind, tflops):
   assert accelerator.peak_tflops(kind)[0] == tflops
   assert accelerator.peak_tflops(kind, 100.0) == (100.0, '--peak_tflops')
+
+
+def test_depth_search_doubles_then_bisects():
+  """--stack_search's search, with a probe that fits up to 700 layers."""
+  seen = []
+
+  def probe(label, depth, seconds):
+    seen.append((label, depth))
+    assert seconds > 0
+    if depth <= 700:
+      return {'fits': True, 'status': 'ok'}
+    return {'fits': False, 'status': 'does not fit: RESOURCE_EXHAUSTED'}
+
+  rec = {'device': {'memory_stats': True}, 'depth': 64}
+  out = accelerator.search_depths(rec, 64, 600, probe)
+  for label in accelerator.SEARCH_ROWS:
+    assert out[label]['largest_fitting'] == 640
+    assert out[label]['smallest_refused'] == 704 and out[label]['exact']
+    assert [d for l, d in seen if l == label] == [
+        64, 128, 256, 512, 1024, 768, 640, 704]
+  cpu = accelerator.search_depths({'device': {'memory_stats': False},
+                                   'depth': 64}, 64, 600, probe)
+  assert cpu['status'].startswith('skipped') and len(seen) == 16
+
+
+def test_depth_search_stops_at_an_error():
+  def probe(label, depth, seconds):
+    del label, seconds
+    return {'status': 'ok', 'fits': True} if depth < 128 else {
+        'status': 'exited with -6'}
+
+  out = accelerator.search_depths({'device': {'memory_stats': True},
+                                   'depth': 64}, 64, 600, probe)
+  for label in accelerator.SEARCH_ROWS:
+    assert out[label]['largest_fitting'] == 64
+    assert out[label]['smallest_refused'] is None
+    assert out[label]['probes'] == {64: 'ok', 128: 'exited with -6'}
