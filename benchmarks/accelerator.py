@@ -250,7 +250,7 @@ class Record(dict):
     pathlib.Path(F.child_out).write_text(json.dumps(self, indent=1))
 
 
-# --- lm: the examples/lm train step ----------------------------------------------
+# --- lm: the examples/lm train step -------------------------------------------
 
 
 class Stepper:
@@ -360,7 +360,7 @@ def lm_child(rec: Record, deadline: float):
   rec.save()
 
 
-# --- stack: nn.Stack policies vs Linen ----------------------------------------------
+# --- stack: nn.Stack policies vs Linen ----------------------------------------
 
 
 def stack_models(sb, depth: int, hidden: int) -> dict:
@@ -475,7 +475,7 @@ def run_child():
   rec.save()
 
 
-# --- the parent: one child per phase (and per isolated row) ----------------------
+# --- the parent: one child per phase (and per isolated row) -------------------
 
 
 def spawn(part: str, budget_s: float, *extra: str) -> dict:
@@ -619,7 +619,7 @@ def versions() -> dict:
   return out
 
 
-# --- the table ----------------------------------------------------------------------
+# --- the table ----------------------------------------------------------------
 
 
 def _ms(seconds):
@@ -735,7 +735,8 @@ def jit_rows(jit: dict) -> list:
   return [(f'eager call, {label}: nn.jit vs jax.jit',
            f'{r["median_us"]:,.1f} µs vs {r["jax_jit_us"]:,.1f} µs',
            f'Linen nn.jit {r["linen_us"]:,.1f} µs',
-           f'**{r["vs_jax_jit"]:.2f}×** jax.jit (best {r["vs_jax_jit_best"]:.2f}×)'
+           f'**{r["vs_jax_jit"]:.2f}×** jax.jit (best '
+           f'{r["vs_jax_jit_best"]:.2f}×)'
            f'; {r["vs_linen_nn_jit"]:.2f}× Linen') for label, r in
           models.items()]
 
