@@ -635,12 +635,6 @@ def substituted(pipeline: Pipeline, path: Sequence[str], x):
   if isinstance(y, _Capture):
     y.value = x
     return x
-  step = _training.context
-  if step is not None and step.path is not None and tuple(path) != step.path:
-    raise PipelineError(
-        f"pipeline.value_and_grad: loss_fn calls two stacks with Pipeline("
-        f"mode='1f1b'), at /{'/'.join(step.path)} and /{'/'.join(path)}; "
-        'it runs exactly one.')
   if (jax.tree_util.tree_structure(x) != jax.tree_util.tree_structure(y) or
       [jnp.shape(a) for a in jax.tree_util.tree_leaves(x)] !=
       [jnp.shape(a) for a in jax.tree_util.tree_leaves(y)]):
@@ -708,8 +702,11 @@ def _run_1f1b(pipeline, step, stage, mesh, micro, fixed, staged, path):
   and its vjp on microbatch ``b``; the last stage runs ``loss_fn`` from the
   stack's output on (and the vjp of) microbatch ``f = b``.
   """
-  if step.path is None:
-    step.path = tuple(path.strip('/').split('/')) if path != '/' else ()
+  if step.path not in (None, path):
+    raise PipelineError(
+        f"pipeline.value_and_grad: loss_fn calls two stacks with Pipeline("
+        f"mode='1f1b'), at {step.path} and {path}; it runs exactly one.")
+  step.path = path
   n_stages, n_micro = pipeline.stages, pipeline.microbatches
   last = n_stages - 1
   window = 2 * n_stages - 1  # microbatch inputs a stage holds at most

@@ -629,6 +629,15 @@ def test_1f1b_activation_memory_does_not_grow_with_microbatches():
   assert ours[1] <= 1.1 * ours[0], ours
 
 
+class TwoStacks(nn.Module):
+  pipeline: nn.Pipeline
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Stack(Block, 2, pipeline=self.pipeline)(name='a')(x)
+    return nn.Stack(Block, 2, pipeline=self.pipeline)(name='b')(x)
+
+
 def test_1f1b_errors_name_the_problem():
   with pytest.raises(ValueError, match=r"mode='1f1b' runs repeats=1"):
     nn.Pipeline(stages=2, microbatches=2, repeats=2, mode='1f1b')
@@ -658,6 +667,13 @@ def test_1f1b_errors_name_the_problem():
     with pytest.raises(nn.PipelineError, match=r'divisible by '
                        r'microbatches=4; got a carry of shape \(6, 8\)'):
       nn.pipeline.value_and_grad(model_loss(model))(params, *model_batch(6))
+    two = TwoStacks(nn.Pipeline(stages=2, microbatches=4, mode='1f1b'))
+    v2 = init(two, x)['params']
+    with pytest.raises(nn.PipelineError, match=r"loss_fn calls two stacks "
+                       r"with Pipeline\(mode='1f1b'\), at /a and /b; it "
+                       r'runs exactly one'):
+      nn.pipeline.value_and_grad(
+          lambda p, x: jnp.mean(two.apply({'params': p}, x) ** 2))(v2, x)
     with pytest.raises(nn.PipelineError, match=r'split into microbatches='
                        r'M=4 along its leading \(batch\) axis; got one of '
                        r'shape \(6, 3\)'):
