@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import inspect
 import types
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
 import jax
@@ -35,6 +36,10 @@ from liftmods.call_context import calls
 from liftmods.module import (DECLINED, Module, active_interceptors, any_nested,
                              named_call_enabled, unbound_method, wrap_method)
 from liftmods.traceback_util import api_boundary
+# Type aliases Linen code imports from this module (flax.linen.transforms).
+from liftmods.typing import (  # pylint: disable=unused-import
+    CollectionFilter, InOutAxis, InOutScanAxis, PRNGSequenceFilter,
+    VariableDict)
 
 
 # -- collecting and restoring scopes ------------------------------------------------
@@ -329,13 +334,48 @@ def lift_direct(transform, targets, module, *args, multi_scope=True,
 
 # -- the transforms ------------------------------------------------------------------
 
+# What a module-level transform takes and returns: a Module class (or a
+# functools.partial of one), or a function of a module.
+_Target = type[Module] | functools.partial | Callable[..., Any]
+# Which methods of a Module class to transform (see _method_args).
+_Methods = Sequence[str] | Mapping[str, Mapping[str, Any]] | None
 
-def vmap(target, variable_axes=FrozenDict(), split_rngs=FrozenDict(),
-         in_axes=0, out_axes=0, axis_size=None, axis_name=None,
-         spmd_axis_name=None, metadata_params={}, methods=None):
-  """Vectorizes ``target`` over a batch axis; ``variable_axes`` says which
-  collections are stacked (axis) or shared (None), ``split_rngs`` which rng
-  sequences get a different key per element."""
+
+def vmap(target: _Target, variable_axes: Mapping[CollectionFilter, InOutAxis] = FrozenDict(),
+         split_rngs: Mapping[PRNGSequenceFilter, bool] = FrozenDict(),
+         in_axes: Any = 0, out_axes: Any = 0, axis_size: int | None = None,
+         axis_name: str | None = None,
+         spmd_axis_name: str | tuple[str, ...] | None = None,
+         metadata_params: Mapping[Any, Any] = {},
+         methods: _Methods = None) -> _Target:
+  """Vectorizes ``target`` over a batch axis (``jax.vmap`` with variables).
+
+  Args:
+    target: a Module class, or a function ``fn(module, *args)``.
+    variable_axes: ``{collection filter: axis}``; a collection mapped to an
+      int is stacked along that axis (one slice per element), one mapped to
+      None is shared by all elements.
+    split_rngs: ``{rng filter: bool}``; True gives every element a different
+      key of that rng sequence, False the same key.
+    in_axes: the batch axis of each positional argument (None: broadcast),
+      as for ``jax.vmap``.
+    out_axes: where the batch axis goes in the outputs.
+    axis_size: the batch size, needed when no argument is mapped.
+    axis_name: a name for the batch axis, for collectives inside.
+    spmd_axis_name: mesh axis (or axes) the batch axis is sharded over.
+    metadata_params: passed to the axis metadata (e.g. ``Partitioned``
+      boxes) of stacked variables when the axis is added or removed, e.g.
+      ``{nn.PARTITION_NAME: 'layers'}``.
+    methods: for a Module class, the methods to transform: None (only
+      ``__call__``), a list of names, or ``{name: transform kwargs}``.
+
+  Returns:
+    A subclass of ``target`` whose methods are vectorized, or the lifted
+    function.
+
+  Raises:
+    TransformTargetError: ``target`` is neither a Module class nor callable.
+  """
   return lift_transform(lift.vmap, 'vmap', target, variable_axes, split_rngs,
                         methods=methods, in_axes=in_axes, out_axes=out_axes,
                         axis_size=axis_size, axis_name=axis_name,
@@ -343,14 +383,50 @@ def vmap(target, variable_axes=FrozenDict(), split_rngs=FrozenDict(),
                         spmd_axis_name=spmd_axis_name)
 
 
-def scan(target, variable_axes=FrozenDict(), variable_broadcast=False,
-         variable_carry=False, split_rngs=FrozenDict(), in_axes=0,
-         out_axes=0, length=None, reverse=False, unroll=1,
-         data_transform=None, metadata_params={}, methods=None,
-         _split_transpose=False, check_constancy_invariants=True):
-  """Loops ``target(carry, *xs) -> (carry, ys)`` over a leading axis with
-  ``lax.scan``; variables are stacked (``variable_axes``), shared and
-  initialised once (``variable_broadcast``) or carried (``variable_carry``)."""
+def scan(target: _Target,
+         variable_axes: Mapping[CollectionFilter, InOutScanAxis] = FrozenDict(),
+         variable_broadcast: CollectionFilter = False,
+         variable_carry: CollectionFilter = False,
+         split_rngs: Mapping[PRNGSequenceFilter, bool] = FrozenDict(),
+         in_axes: Any = 0, out_axes: Any = 0, length: int | None = None,
+         reverse: bool = False, unroll: int = 1,
+         data_transform: Callable[..., Any] | None = None,
+         metadata_params: Mapping[Any, Any] = {}, methods: _Methods = None,
+         _split_transpose: bool = False,
+         check_constancy_invariants: bool = True) -> _Target:
+  """Loops ``target(carry, *xs) -> (carry, ys)`` over an axis (``lax.scan``).
+
+  Args:
+    target: a Module class, or a function ``fn(module, carry, *xs)``.
+    variable_axes: ``{collection filter: axis}``; those collections get one
+      slice per iteration, stacked along the axis.
+    variable_broadcast: collections shared by every iteration; they are
+      created once, outside the loop, and must not change inside it.
+    variable_carry: collections threaded from one iteration to the next.
+    split_rngs: ``{rng filter: bool}``; True gives every iteration its own
+      key of that rng sequence.
+    in_axes: the scanned axis of each ``xs`` argument
+      (``nn.broadcast``: passed whole to every iteration).
+    out_axes: the axis along which the ``ys`` outputs are stacked.
+    length: the number of iterations, needed when nothing is scanned over.
+    reverse: iterate from the last element to the first.
+    unroll: iterations per loop step of the compiled loop.
+    data_transform: an optional function ``(variable groups, rngs) ->
+      (variable groups, rngs)`` applied to what each iteration sees.
+    metadata_params: passed to the axis metadata of stacked variables, e.g.
+      ``{nn.PARTITION_NAME: 'layers'}``.
+    methods: for a Module class, the methods to transform (None: only
+      ``__call__``; a list of names; or ``{name: transform kwargs}``).
+    _split_transpose: accepted for Linen compatibility; passed to the core.
+    check_constancy_invariants: trace the body once more to check that
+      broadcast variables do not change (as Linen does); False skips it.
+
+  Returns:
+    A subclass of ``target`` whose methods loop, or the lifted function.
+
+  Raises:
+    TransformTargetError: ``target`` is neither a Module class nor callable.
+  """
   return lift_transform(
       lift.scan, 'scan', target, variable_axes=variable_axes,
       variable_broadcast=variable_broadcast, variable_carry=variable_carry,
@@ -361,11 +437,35 @@ def scan(target, variable_axes=FrozenDict(), variable_broadcast=False,
       check_constancy_invariants=check_constancy_invariants)
 
 
-def checkpoint(target, variables=True, rngs=True, concrete=False,
-               prevent_cse=True, static_argnums=(), policy=None,
-               methods=None):
-  """Rematerializes ``target`` in the backward pass (``jax.checkpoint``);
-  ``static_argnums`` counts ``self`` as argument 0."""
+def checkpoint(target: _Target, variables: CollectionFilter = True,
+               rngs: PRNGSequenceFilter = True, concrete: bool = False,
+               prevent_cse: bool = True,
+               static_argnums: int | tuple[int, ...] = (),
+               policy: Callable[..., bool] | None = None,
+               methods: _Methods = None) -> _Target:
+  """Recomputes ``target``'s activations in the backward pass (``jax.checkpoint``).
+
+  ``nn.remat`` is the same function.
+
+  Args:
+    target: a Module class, or a function ``fn(module, *args)``.
+    variables: the collections the rematerialized function sees.
+    rngs: the rng sequences it sees.
+    concrete: accepted for Linen compatibility; passed to the core transform.
+    prevent_cse: keep XLA from merging the recomputation with the forward
+      pass (as ``jax.checkpoint``'s option).
+    static_argnums: arguments treated as static; ``self`` counts as 0.
+    policy: a ``jax.checkpoint_policies`` rule for which values to save.
+    methods: for a Module class, the methods to transform (None: only
+      ``__call__``; a list of names; or ``{name: transform kwargs}``).
+
+  Returns:
+    A subclass of ``target`` whose methods are rematerialized, or the lifted
+    function.
+
+  Raises:
+    TransformTargetError: ``target`` is neither a Module class nor callable.
+  """
   if isinstance(static_argnums, int):
     static_argnums = (static_argnums,)
   static_argnums = tuple(i - 1 for i in static_argnums)
@@ -378,11 +478,34 @@ def checkpoint(target, variables=True, rngs=True, concrete=False,
 remat = checkpoint
 
 
-def remat_scan(target, lengths=(), policy=None, variable_broadcast=False,
-               variable_carry=False, variable_axes=FrozenDict({True: 0}),
-               split_rngs=FrozenDict({True: True})):
-  """``prod(lengths)`` applications of ``target`` as nested rematerialized
-  scans, so gradient memory grows like n**(1/len(lengths))."""
+def remat_scan(target: _Target, lengths: Sequence[int] = (),
+               policy: Callable[..., bool] | None = None,
+               variable_broadcast: CollectionFilter = False,
+               variable_carry: CollectionFilter = False,
+               variable_axes: Mapping[CollectionFilter, InOutScanAxis] = FrozenDict({True: 0}),
+               split_rngs: Mapping[PRNGSequenceFilter, bool] = FrozenDict({True: True})) -> _Target:
+  """Applies ``target`` ``prod(lengths)`` times as nested rematerialized scans.
+
+  Gradient memory then grows like ``n ** (1 / len(lengths))`` for ``n``
+  applications. ``target`` maps a carry to a carry.
+
+  Args:
+    target: a Module class, or a function ``fn(module, carry)``.
+    lengths: the lengths of the nested loops, outermost first.
+    policy: a ``jax.checkpoint_policies`` rule for which values to save.
+    variable_broadcast: collections shared by every application.
+    variable_carry: collections threaded through the applications.
+    variable_axes: ``{collection filter: axis}`` of the stacked collections
+      (by default all, on axis 0).
+    split_rngs: ``{rng filter: bool}``; by default every application gets
+      its own keys.
+
+  Returns:
+    A subclass of ``target``, or the lifted function.
+
+  Raises:
+    TransformTargetError: ``target`` is neither a Module class nor callable.
+  """
   return lift_transform(lift.remat_scan, 'remat_scan', target,
                         lengths=lengths, variable_broadcast=variable_broadcast,
                         variable_carry=variable_carry,
@@ -390,21 +513,64 @@ def remat_scan(target, lengths=(), policy=None, variable_broadcast=False,
                         policy=policy)
 
 
-def map_variables(target, mapped_collections=True, trans_in_fn=lift.id_fn,
-                  trans_out_fn=lift.id_fn, init=False, mutable=False,
-                  rngs=True, variables=True, methods=None):
-  """Runs ``target`` on variables transformed by ``trans_in_fn`` (and maps
-  writes back through ``trans_out_fn``)."""
+def map_variables(target: _Target,
+                  mapped_collections: CollectionFilter = True,
+                  trans_in_fn: Callable[..., Any] = lift.id_fn,
+                  trans_out_fn: Callable[..., Any] = lift.id_fn,
+                  init: bool = False, mutable: bool = False,
+                  rngs: PRNGSequenceFilter = True,
+                  variables: CollectionFilter = True,
+                  methods: _Methods = None) -> _Target:
+  """Runs ``target`` on a transformed view of some variable collections.
+
+  Args:
+    target: a Module class, or a function ``fn(module, *args)``.
+    mapped_collections: the collections that are transformed.
+    trans_in_fn: maps the collections (a dict) to what ``target`` sees.
+    trans_out_fn: maps what ``target`` wrote back to the stored form.
+    init: let ``target`` create the mapped variables (during init).
+    mutable: let ``target`` change the mapped variables.
+    rngs: the rng sequences ``target`` sees.
+    variables: the other collections ``target`` sees.
+    methods: for a Module class, the methods to transform (None: only
+      ``__call__``; a list of names; or ``{name: transform kwargs}``).
+
+  Returns:
+    A subclass of ``target``, or the lifted function.
+
+  Raises:
+    TransformTargetError: ``target`` is neither a Module class nor callable.
+  """
   return lift_transform(lift.map_variables, 'map_variables', target,
                         mapped_collections, trans_in_fn, trans_out_fn, init,
                         mutable, rngs, variables, methods=methods)
 
 
-def vjp(fn, mdl, *primals, has_aux=False, reduce_axes=(),
-        vjp_variables='params', variables=True, rngs=True,
-        multi_scope=False):
-  """``jax.vjp`` of ``fn(mdl, *primals)`` w.r.t. the primals and the
-  ``vjp_variables`` collections."""
+def vjp(fn: Callable[..., Any], mdl: Module, *primals: Any,
+        has_aux: bool = False, reduce_axes: Sequence[str] = (),
+        vjp_variables: CollectionFilter = 'params',
+        variables: CollectionFilter = True, rngs: PRNGSequenceFilter = True,
+        multi_scope: bool = False) -> tuple[Any, ...]:
+  """``jax.vjp`` of ``fn(mdl, *primals)``, also with respect to variables.
+
+  Args:
+    fn: a function ``fn(module, *primals)`` (e.g. an unbound method).
+    mdl: the bound module to call it on.
+    *primals: the arguments to differentiate with respect to.
+    has_aux: ``fn`` returns ``(output, aux)``; aux is not differentiated.
+    reduce_axes: not supported; must be empty.
+    vjp_variables: the collections to differentiate with respect to.
+    variables: the collections ``fn`` sees.
+    rngs: the rng sequences ``fn`` sees.
+    multi_scope: allow modules passed as arguments or held in fields.
+
+  Returns:
+    ``(output, vjp_fn)`` (``(output, vjp_fn, aux)`` with ``has_aux``);
+    ``vjp_fn(cotangent)`` returns ``(variable_grads, *primal_grads)``.
+
+  Raises:
+    NotImplementedError: ``reduce_axes`` is given.
+  """
   if reduce_axes:
     raise NotImplementedError('reduce_axes is not supported by vjp.')
   return lift_direct(lift.vjp, (fn,), mdl, *primals, multi_scope=multi_scope,
@@ -412,9 +578,32 @@ def vjp(fn, mdl, *primals, has_aux=False, reduce_axes=(),
                      variables=variables, rngs=rngs)
 
 
-def value_and_grad(fn, mdl, *primals, has_aux=False, reduce_axes=(),
-                   variables=True, rngs=True):
-  """``(value, (param_grads, *primal_grads))`` of a scalar ``fn``."""
+def value_and_grad(fn: Callable[..., Any], mdl: Module, *primals: Any,
+                   has_aux: bool = False, reduce_axes: Sequence[str] = (),
+                   variables: CollectionFilter = True,
+                   rngs: PRNGSequenceFilter = True) -> tuple[Any, Any]:
+  """The value and gradients of a scalar ``fn(mdl, *primals)``.
+
+  Gradients are taken with respect to the ``params`` collection and the
+  primals.
+
+  Args:
+    fn: a function ``fn(module, *primals)`` returning a scalar.
+    mdl: the bound module to call it on.
+    *primals: the arguments to differentiate with respect to.
+    has_aux: ``fn`` returns ``(value, aux)``.
+    reduce_axes: not supported; must be empty.
+    variables: the collections ``fn`` sees.
+    rngs: the rng sequences ``fn`` sees.
+
+  Returns:
+    ``(value, (param_grads, *primal_grads))``, or
+    ``((value, aux), grads)`` with ``has_aux``.
+
+  Raises:
+    NotImplementedError: ``reduce_axes`` is given.
+    ValueError: ``fn``'s output is not a scalar.
+  """
   if reduce_axes:
     raise NotImplementedError('reduce_axes is not supported by value_and_grad.')
   result = lift_direct(lift.value_and_grad, (fn,), mdl, *primals,
@@ -429,9 +618,28 @@ def value_and_grad(fn, mdl, *primals, has_aux=False, reduce_axes=(),
   return result
 
 
-def grad(fn, mdl, *primals, has_aux=False, reduce_axes=(), variables=True,
-         rngs=True):
-  """The gradients part of ``value_and_grad``."""
+def grad(fn: Callable[..., Any], mdl: Module, *primals: Any,
+         has_aux: bool = False, reduce_axes: Sequence[str] = (),
+         variables: CollectionFilter = True,
+         rngs: PRNGSequenceFilter = True) -> Any:
+  """The gradients of a scalar ``fn(mdl, *primals)`` (see ``value_and_grad``).
+
+  Args:
+    fn: a function ``fn(module, *primals)`` returning a scalar.
+    mdl: the bound module to call it on.
+    *primals: the arguments to differentiate with respect to.
+    has_aux: ``fn`` returns ``(value, aux)``.
+    reduce_axes: not supported; must be empty.
+    variables: the collections ``fn`` sees.
+    rngs: the rng sequences ``fn`` sees.
+
+  Returns:
+    ``(param_grads, *primal_grads)``, or ``(grads, aux)`` with ``has_aux``.
+
+  Raises:
+    NotImplementedError: ``reduce_axes`` is given.
+    ValueError: ``fn``'s output is not a scalar.
+  """
   out = value_and_grad(fn, mdl, *primals, has_aux=has_aux,
                        reduce_axes=reduce_axes, variables=variables, rngs=rngs)
   if has_aux:
@@ -440,18 +648,50 @@ def grad(fn, mdl, *primals, has_aux=False, reduce_axes=(), variables=True,
   return out[1]
 
 
-def jvp(fn, mdl, primals, tangents, variable_tangents, variables=True,
-        rngs=True):
-  """``jax.jvp`` of ``fn(mdl, *primals)`` with tangents for variables too."""
+def jvp(fn: Callable[..., Any], mdl: Module, primals: Sequence[Any],
+        tangents: Sequence[Any], variable_tangents: VariableDict,
+        variables: CollectionFilter = True,
+        rngs: PRNGSequenceFilter = True) -> tuple[Any, Any]:
+  """``jax.jvp`` of ``fn(mdl, *primals)``, with tangents for variables too.
+
+  Args:
+    fn: a function ``fn(module, *primals)``.
+    mdl: the bound module to call it on.
+    primals: the arguments, as a tuple.
+    tangents: their tangents, a tuple of the same structure.
+    variable_tangents: ``{collection: tangents}`` for the variables to push
+      tangents through.
+    variables: the collections ``fn`` sees.
+    rngs: the rng sequences ``fn`` sees.
+
+  Returns:
+    ``(output, output_tangent)``.
+  """
   return lift_direct(lift.jvp, (fn,), mdl, primals, tangents,
                      variable_tangents, multi_scope=False,
                      variables=variables, rngs=rngs)
 
 
-def while_loop(cond_fn, body_fn, mdl, init, carry_variables=False,
-               broadcast_variables=True, split_rngs=FrozenDict()):
-  """``lax.while_loop`` over ``body_fn(mdl, carry)``; ``carry_variables``
-  collections are updated every iteration."""
+def while_loop(cond_fn: Callable[..., Any], body_fn: Callable[..., Any],
+               mdl: Module, init: Any,
+               carry_variables: CollectionFilter = False,
+               broadcast_variables: CollectionFilter = True,
+               split_rngs: Mapping[PRNGSequenceFilter, bool] = FrozenDict()) -> Any:
+  """``lax.while_loop`` over ``body_fn(mdl, carry)`` with variables.
+
+  Args:
+    cond_fn: ``cond_fn(module, carry) -> bool``; may only read variables.
+    body_fn: ``body_fn(module, carry) -> carry``.
+    mdl: the bound module both functions run on.
+    init: the initial carry.
+    carry_variables: collections updated by every iteration.
+    broadcast_variables: collections every iteration reads, unchanged.
+    split_rngs: ``{rng filter: bool}``; True gives every iteration its own
+      key.
+
+  Returns:
+    The final carry.
+  """
   def loop(cond, body, scopes, carry):  # options are not call arguments
     return lift.while_loop(cond, body, scopes, carry, carry_variables,
                            broadcast_variables, split_rngs)
@@ -464,10 +704,26 @@ def _cond(true_fn, false_fn, scope, pred, *operands, variables, rngs):
                    variables=variables, rngs=rngs)
 
 
-def cond(pred, true_fun, false_fun, mdl, *operands, variables=True,
-         rngs=True):
-  """``lax.cond`` between two functions of ``mdl``; during init both
-  branches run so that both create their variables."""
+def cond(pred: Any, true_fun: Callable[..., Any],
+         false_fun: Callable[..., Any], mdl: Module, *operands: Any,
+         variables: CollectionFilter = True,
+         rngs: PRNGSequenceFilter = True) -> Any:
+  """``lax.cond`` between two functions of ``mdl``.
+
+  During init both branches run, so that both create their variables.
+
+  Args:
+    pred: a boolean scalar choosing the branch.
+    true_fun: ``true_fun(module, *operands)``, run when ``pred`` is true.
+    false_fun: ``false_fun(module, *operands)``, run otherwise.
+    mdl: the bound module the branches run on.
+    *operands: the branches' arguments.
+    variables: the collections the branches see.
+    rngs: the rng sequences the branches see.
+
+  Returns:
+    The chosen branch's output.
+  """
   return lift_direct(_cond, (true_fun, false_fun), mdl, pred, *operands,
                      variables=variables, rngs=rngs)
 
@@ -478,8 +734,24 @@ def _switch(*args, variables, rngs, n_branches):
                      rngs=rngs)
 
 
-def switch(index, branches, mdl, *operands, variables=True, rngs=True):
-  """``lax.switch`` among functions of ``mdl``."""
+def switch(index: Any, branches: Sequence[Callable[..., Any]], mdl: Module,
+           *operands: Any, variables: CollectionFilter = True,
+           rngs: PRNGSequenceFilter = True) -> Any:
+  """``lax.switch`` among functions of ``mdl``.
+
+  During init every branch runs, so that each creates its variables.
+
+  Args:
+    index: an integer scalar choosing the branch (clamped to the range).
+    branches: functions ``branch(module, *operands)``.
+    mdl: the bound module the branches run on.
+    *operands: the branches' arguments.
+    variables: the collections the branches see.
+    rngs: the rng sequences the branches see.
+
+  Returns:
+    The chosen branch's output.
+  """
   return lift_direct(_switch, tuple(branches), mdl, index, *operands,
                      variables=variables, rngs=rngs,
                      n_branches=len(branches))
@@ -493,10 +765,23 @@ def _custom_vjp_split(fn, backward_fn, grad_vars='params', nondiff_argnums=()):
                          backward_fn, grad_vars, nondiff_argnums)
 
 
-def custom_vjp(fn, forward_fn, backward_fn, grad_vars='params',
-               nondiff_argnums=()):
-  """A method with a custom backward rule that also returns gradients for
-  the ``grad_vars`` collections."""
+def custom_vjp(fn: Callable[..., Any], forward_fn: Callable[..., Any],
+               backward_fn: Callable[..., Any],
+               grad_vars: CollectionFilter = 'params',
+               nondiff_argnums: Sequence[int] = ()) -> Callable[..., Any]:
+  """A function of a module with a custom backward rule (``jax.custom_vjp``).
+
+  Args:
+    fn: ``fn(module, *args)``, the forward computation.
+    forward_fn: ``forward_fn(module, *args) -> (output, residuals)``.
+    backward_fn: ``backward_fn(residuals, cotangent) -> (variable_grads,
+      *arg_grads)``, with gradients for the ``grad_vars`` collections first.
+    grad_vars: the collections that get gradients.
+    nondiff_argnums: arguments that are not differentiated.
+
+  Returns:
+    The function ``f(module, *args)`` with the custom gradient.
+  """
 
   def shared_forward(*args, needs_residual, **kwargs):
     return (forward_fn if needs_residual else fn)(*args, **kwargs)
@@ -506,8 +791,21 @@ def custom_vjp(fn, forward_fn, backward_fn, grad_vars='params',
                         nondiff_argnums=nondiff_argnums, multi_scope=False)
 
 
-def named_call(class_fn, force=True):
-  """Wraps a method so it appears as a named call in profiles."""
+def named_call(class_fn: Callable[..., Any],
+               force: bool = True) -> Callable[..., Any]:
+  """Wraps a method so that it shows as a named call in profiles.
+
+  The name is the module's name (or class name), with ``.method`` for
+  methods other than ``__call__``; calls during ``setup`` are not wrapped.
+
+  Args:
+    class_fn: a method, ``class_fn(module, *args)``.
+    force: wrap even when named calls are disabled
+      (``nn.disable_named_call``).
+
+  Returns:
+    The wrapped method.
+  """
 
   @functools.wraps(class_fn)
   def wrapped(self, *args, **kwargs):
@@ -522,9 +820,24 @@ def named_call(class_fn, force=True):
   return wrapped
 
 
-def add_metadata_axis(target, variable_axes=FrozenDict(), metadata_params={}):
-  """Adds (on the way out) / removes (on the way in) an axis in the axis
-  metadata of the ``variable_axes`` collections, without changing values."""
+def add_metadata_axis(target: _Target,
+                      variable_axes: Mapping[str, int] = FrozenDict(),
+                      metadata_params: Mapping[Any, Any] = {}) -> _Target:
+  """Adds an axis to the axis metadata of some collections, not to the values.
+
+  The axis is added to the metadata (e.g. ``Partitioned`` names) of what
+  ``target`` writes and removed from what it reads; the arrays themselves
+  are unchanged. Useful when an outer transform stacks the values.
+
+  Args:
+    target: a Module class, or a function ``fn(module, *args)``.
+    variable_axes: ``{collection: axis}`` of the axis to add.
+    metadata_params: passed to the metadata, e.g.
+      ``{nn.PARTITION_NAME: 'layers'}``.
+
+  Returns:
+    A subclass of ``target``, or the lifted function.
+  """
   for col, axis in variable_axes.items():
     target = map_variables(
         target, col,
@@ -755,12 +1068,36 @@ def _jit_lift(fn, fn_name, cls, trafo_kwargs, transform=lift.jit):
   return lifted
 
 
-def jit(target, variables=True, rngs=True, static_argnums=(),
-        static_argnames=(), donate_argnums=(), device=None, backend=None,
-        methods=None):
-  """Compiles ``target`` with ``jax.jit``; argument numbers count ``self``
-  as 0. Calls with the same module configuration, shapes and rng state hit
-  one compile cache.
+def jit(target: _Target, variables: CollectionFilter = True,
+        rngs: PRNGSequenceFilter = True,
+        static_argnums: int | Sequence[int] = (),
+        static_argnames: str | Sequence[str] = (),
+        donate_argnums: int | Sequence[int] = (), device: Any = None,
+        backend: str | None = None, methods: _Methods = None) -> _Target:
+  """Compiles ``target`` with ``jax.jit``.
+
+  Calls with the same module configuration, shapes and rng state hit one
+  compile cache.
+
+  Args:
+    target: a Module class, or a function ``fn(module, *args)``.
+    variables: the collections the compiled function sees.
+    rngs: the rng sequences it sees; each is forked into a fresh key for
+      the call.
+    static_argnums: static arguments; ``self`` counts as argument 0.
+    static_argnames: static keyword arguments.
+    donate_argnums: arguments whose buffers may be reused; ``self`` is 0.
+    device: passed to ``jax.jit``.
+    backend: passed to ``jax.jit``.
+    methods: for a Module class, the methods to compile (None: only
+      ``__call__``; a list of names; or ``{name: transform kwargs}``).
+
+  Returns:
+    A subclass of ``target`` whose methods are compiled, or the compiled
+    function.
+
+  Raises:
+    TransformTargetError: ``target`` is neither a Module class nor callable.
 
   >>> import jax, jax.numpy as jnp, liftmods as nn
   >>> JitDense = nn.jit(nn.Dense)
@@ -774,10 +1111,23 @@ def jit(target, variables=True, rngs=True, static_argnums=(),
   return _jit_like(target, methods, kwargs, 'Jit', lift.jit)
 
 
-def fold_rngs(target, variables=True, rngs=True):
-  """Runs ``target`` as ``nn.jit`` would, without compiling: each rng
-  sequence is forked into a fresh key first and the inside starts from bare
-  keys, so random numbers match those of the jitted module.
+def fold_rngs(target: _Target, variables: CollectionFilter = True,
+              rngs: PRNGSequenceFilter = True) -> _Target:
+  """Handles rngs as ``nn.jit`` does, without compiling.
+
+  Each rng sequence is forked into a fresh key first and the inside starts
+  from bare keys, so random numbers match those of the jitted module.
+
+  Args:
+    target: a Module class, or a function ``fn(module, *args)``.
+    variables: the collections ``target`` sees.
+    rngs: the rng sequences ``target`` sees.
+
+  Returns:
+    A subclass of ``target``, or the lifted function.
+
+  Raises:
+    TransformTargetError: ``target`` is neither a Module class nor callable.
 
   >>> import jax, jax.numpy as jnp, liftmods as nn
   >>> FoldedDense = nn.fold_rngs(nn.Dense)
@@ -815,7 +1165,3 @@ def _jit_like(target, methods, kwargs, prefix, transform):
     return functools.wraps(fn)(_jit_lift(fn, fn_name, None, kwargs,
                                          transform))
   raise errors.TransformTargetError(target)
-
-# Type aliases Linen code imports from this module (flax.linen.transforms).
-from liftmods.typing import (  # pylint: disable=unused-import
-    CollectionFilter, InOutAxis, InOutScanAxis, PRNGSequenceFilter)
