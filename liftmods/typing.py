@@ -9,8 +9,9 @@ flax.typing's helper classes ``HashableMapping``, ``PytreeDeque``,
 
 >>> import jax.numpy as jnp
 >>> from liftmods import typing as lt
->>> lt.Shape
-typing.Sequence[int]
+>>> from collections.abc import Sequence
+>>> lt.Shape == Sequence[int]
+True
 >>> lt.is_key_like('kernel'), lt.is_key_like(['not', 'hashable'])
 (True, False)
 >>> lt.has_shape_dtype(jnp.zeros(2)), lt.has_shape_dtype(3)
