@@ -8,11 +8,9 @@ behaviours followed even where odd").
 """
 import contextlib
 import copy
-import doctest
 import gc
 import inspect
 import pickle
-import sys
 from collections.abc import Mapping
 
 import flax.core
@@ -1068,22 +1066,3 @@ def test_new_error_classes():
     assert hasattr(flax.errors, name)
   assert str(errors.CallShareScopeOnUnboundModuleError()).startswith(
       str(flax.errors.CallShareScopeOnUnboundModuleError()).split(' (')[0])
-
-
-# -- doctests of the new APIs --------------------------------------------------------------
-
-
-@pytest.mark.parametrize('obj', [
-    lnn.compact_name_scope, lnn.intercept_methods, lnn.share_scope,
-    lnn.fold_rngs, lnn.Module.lazy_init, lnn.Module.module_paths,
-    liftmods.core.lazy_init, liftmods.core.Scope.child,
-])
-def test_docstring_examples(obj):
-  finder = doctest.DocTestFinder(recurse=False)
-  runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-  globs = dict(vars(sys.modules[obj.__module__]))
-  tests = finder.find(obj, globs=globs)
-  assert tests and tests[0].examples
-  for t in tests:
-    runner.run(t)
-  assert runner.failures == 0

@@ -8,7 +8,6 @@ gradients to float tolerance (bitwise where the computation is identical).
 """
 import dataclasses
 import functools
-import doctest
 import inspect
 import types
 import warnings
@@ -707,13 +706,3 @@ def test_prelu_gradient():
   grad = lambda m: jax.grad(lambda v, x: jnp.sum(m.apply(v, x) * x),
                             argnums=(0, 1))(v, x)
   assert_identical(grad(f), grad(l))
-
-
-# -- doctests ------------------------------------------------------------------
-
-
-@pytest.mark.parametrize('mod', [attention, recurrent, activation_modules],
-                         ids=lambda m: m.__name__)
-def test_doctests(mod):
-  result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
-  assert result.failed == 0 and result.attempted > 0

@@ -7,7 +7,6 @@ equal parameter gradients. Both sides run the same lax ops, so outputs and
 gradients are compared bit for bit.
 """
 import dataclasses
-import doctest
 import functools
 import inspect
 import types
@@ -504,12 +503,6 @@ def test_module_defaults_are_linen_defaults():
   for name in ('default_kernel_init', 'default_embed_init'):
     ours, theirs = getattr(linear, name), getattr(fnn.linear, name)
     assert_identical(ours(key, (5, 3)), theirs(key, (5, 3)))
-
-
-def test_doctests():
-  result = doctest.testmod(
-      linear, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-  assert result.attempted > 8 and result.failed == 0
 
 
 # -- errors --------------------------------------------------------------------

@@ -7,7 +7,6 @@ from liftmods.module and the layer modules, so that these tests do not
 depend on what the top-level package exports yet). Variables must agree in
 structure, shapes and dtypes and bit for bit; outputs and gradients too.
 """
-import doctest
 import functools
 import inspect
 from types import SimpleNamespace
@@ -489,8 +488,3 @@ def test_sequential_errors():
 # -- docstrings ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize('mod', [normalization, stochastic, combinators])
-def test_doctests(mod):
-  result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS
-                           | doctest.NORMALIZE_WHITESPACE)
-  assert result.attempted > 0 and result.failed == 0

@@ -1,6 +1,5 @@
 """Differential tests: WeightNorm, SpectralNorm and BatchApply against
 flax.linen (variable trees, bit-identical init, outputs, stats updates)."""
-import doctest
 
 import flax.linen as fnn
 import jax
@@ -10,7 +9,6 @@ import pytest
 from treecheck import assert_identical, plain
 
 import liftmods as lnn
-from liftmods.layers import weight_norms
 
 pytestmark = pytest.mark.usefixtures('fast_compiles')
 
@@ -105,11 +103,6 @@ def test_spectral_norm_rejects_non_matrix_when_asked():
       model.init(jax.random.key(0), x, update_stats=True)
 
 
-def test_doctests():
-  result = doctest.testmod(weight_norms, optionflags=doctest.ELLIPSIS)
-  assert result.attempted > 0 and result.failed == 0
-
-
 def test_batch_apply_matches_linen():
   x = rand(5, (2, 3, 4))
   scale = rand(6, (4,))
@@ -130,6 +123,3 @@ def test_batch_apply_matches_linen():
   assert not lnn.batch_apply.ndim_at_least(1.0, 1)
 
 
-def test_batch_apply_doctests():
-  result = doctest.testmod(lnn.batch_apply, optionflags=doctest.ELLIPSIS)
-  assert result.attempted > 0 and result.failed == 0

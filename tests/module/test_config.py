@@ -1,6 +1,5 @@
 """Differential tests: liftmods.config flags against flax.config, each
 flag flipped in both libraries and the behaviour compared."""
-import doctest
 
 import flax
 import flax.linen as fnn
@@ -131,6 +130,3 @@ def test_profile_flag_names_the_default_for_named_call():
   assert lnn.module.named_call_enabled() == config.flax_profile
 
 
-def test_doctests():
-  result = doctest.testmod(config, optionflags=doctest.ELLIPSIS)
-  assert result.attempted > 0 and result.failed == 0

@@ -1385,9 +1385,3 @@ def test_top_level_module_attribute_assignment():
   differential(layers, run)
 
 
-def test_descriptor_proxy_doctests():
-  import doctest
-
-  from liftmods import descriptors
-  result = doctest.testmod(descriptors)
-  assert result.attempted > 0 and result.failed == 0

@@ -387,17 +387,6 @@ def test_signature_check_can_fail():
   assert _signature_difference(lambda x, y=1: 0, lambda x, y=1: 0) is None
 
 
-@pytest.mark.parametrize('module_name', [
-    'liftmods.linear', 'liftmods.attention', 'liftmods.recurrent',
-    'liftmods.normalization', 'liftmods.combinators', 'liftmods.stochastic',
-    'liftmods.kw_only_dataclasses'])
-def test_alias_module_doctests(module_name):
-  import doctest  # pylint: disable=g-import-not-at-top
-  result = doctest.testmod(importlib.import_module(module_name),
-                           optionflags=doctest.ELLIPSIS)
-  assert result.attempted > 0 and result.failed == 0
-
-
 def test_kw_only_dataclasses():
   from liftmods import kw_only_dataclasses as kw  # pylint: disable=g-import-not-at-top
 

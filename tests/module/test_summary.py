@@ -1,6 +1,5 @@
 """Tests of liftmods.summary.tabulate: rows, variables, totals, depth,
 the call-recording hook it uses, and agreement with flax.linen."""
-import doctest
 import inspect
 import re
 import threading
@@ -339,38 +338,6 @@ def test_concurrent_tabulate_records_per_thread():
   assert Module.__dict__['_call_wrapped_method'] is original
 
 
-def test_record_calls_hook():
-  from liftmods import call_context
-
-  class Child(lnn.Module):
-
-    def setup(self):
-      self.dense = lnn.Dense(2)
-
-    def __call__(self, x):
-      return self.dense(x)
-
-  class Parent(lnn.Module):
-
-    @lnn.compact
-    def __call__(self, x):
-      return Child(name='child')(x)
-
-  with lnn.module.record_calls() as outer:
-    with call_context.record_calls() as inner:
-      variables = Parent().init(KEY, X)
-    Parent().apply(variables, X)
-  assert call_context.calls.recording is None
-  # parents first, no setup calls, arrays kept as ShapeDtypeStructs
-  assert [(c.path, c.method) for c in inner] == [
-      ((), '__call__'), (('child',), '__call__'),
-      (('child', 'dense'), '__call__')]
-  assert inner[0].args == (jax.ShapeDtypeStruct(X.shape, X.dtype),)
-  assert inner[-1].outputs == jax.ShapeDtypeStruct((X.shape[0], 2), X.dtype)
-  assert [c.path for c in outer] == [c.path for c in inner]  # apply only
-  assert doctest.testmod(call_context).failed == 0
-
-
 # -- against flax.linen --------------------------------------------------------
 
 
@@ -411,6 +378,32 @@ def test_matches_flax_linen(kwargs):
       assert ours_total[col] == theirs_total[col]
 
 
-def test_docstring_example():
-  result = doctest.testmod(summary, optionflags=doctest.NORMALIZE_WHITESPACE)
-  assert result.attempted > 0 and result.failed == 0
+def test_record_calls_hook():
+  from liftmods import call_context
+
+  class Child(lnn.Module):
+
+    def setup(self):
+      self.dense = lnn.Dense(2)
+
+    def __call__(self, x):
+      return self.dense(x)
+
+  class Parent(lnn.Module):
+
+    @lnn.compact
+    def __call__(self, x):
+      return Child(name='child')(x)
+
+  with lnn.module.record_calls() as outer:
+    with call_context.record_calls() as inner:
+      variables = Parent().init(KEY, X)
+    Parent().apply(variables, X)
+  assert call_context.calls.recording is None
+  # parents first, no setup calls, arrays kept as ShapeDtypeStructs
+  assert [(c.path, c.method) for c in inner] == [
+      ((), '__call__'), (('child',), '__call__'),
+      (('child', 'dense'), '__call__')]
+  assert inner[0].args == (jax.ShapeDtypeStruct(X.shape, X.dtype),)
+  assert inner[-1].outputs == jax.ShapeDtypeStruct((X.shape[0], 2), X.dtype)
+  assert [c.path for c in outer] == [c.path for c in inner]  # apply only

@@ -7,7 +7,6 @@ keyword arguments each layer gets: ``{}`` for the liftmods model run under
 the policy, ``{'dtype': bf16, 'param_dtype': f32}`` for the hand-threaded
 models. Variables, outputs and gradients are compared bit for bit.
 """
-import doctest
 import types
 import warnings
 
@@ -18,7 +17,6 @@ import numpy as np
 import pytest
 
 import liftmods as nn
-from liftmods import precision as precision_lib
 from liftmods.module import active_interceptors
 
 pytestmark = pytest.mark.usefixtures('fast_compiles')
@@ -386,10 +384,6 @@ def test_glob_that_matches_nothing_warns_once():
   with warnings.catch_warnings():
     warnings.simplefilter('error')
     run_net(policy)
-
-
-def test_docstrings_run():
-  assert doctest.testmod(precision_lib).failed == 0
 
 
 def _dot_dtypes(jaxpr, found):

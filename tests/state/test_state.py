@@ -712,14 +712,3 @@ def test_finetune_example_runs_and_freezes_bit_exactly():
 # -- docstring examples -------------------------------------------------------------
 
 
-@pytest.mark.parametrize('name', [
-    'liftmods.state', 'liftmods.state.filters', 'liftmods.state.tree',
-    'liftmods.state.training', 'liftmods.state.surgery',
-    'liftmods.state.modules', 'liftmods.state.errors'])
-def test_docstring_examples(name):
-  import doctest
-  import importlib
-  result = doctest.testmod(
-      importlib.import_module(name),
-      optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-  assert result.attempted > 0 and result.failed == 0

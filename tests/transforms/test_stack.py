@@ -2,7 +2,6 @@
 flax.linen), fold/scan results and gradients equal across modes and
 policies, layout conversion, policies' memory ordering, errors."""
 import contextlib
-import doctest
 import io
 import warnings
 
@@ -14,7 +13,6 @@ import pytest
 
 import liftmods as lnn
 from liftmods import errors
-from liftmods import stack as stack_lib
 from liftmods.core.rng_counters import RngReplay
 from liftmods.stack import StackOffloadWarning
 from treecheck import assert_close, assert_identical, normal
@@ -403,11 +401,6 @@ def test_offload_on_cpu_warns_and_keeps_gradients():
     warnings.simplefilter('error')
     g_plain = grad('full')
   assert_close(g, g_plain, rtol=1e-5, atol=1e-5)
-
-
-def test_docstring_examples():
-  result = doctest.testmod(stack_lib, optionflags=doctest.ELLIPSIS)
-  assert result.attempted > 0 and result.failed == 0
 
 
 class _CountingBlock(lnn.Module):
