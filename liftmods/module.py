@@ -46,6 +46,10 @@ from liftmods.core.rngs import as_lazy
 from liftmods.core.scope import Scope
 from liftmods.descriptors import local_descriptors, wrap_descriptor
 from liftmods.traceback_util import api_boundary
+# Type aliases Linen code imports from this module (flax.linen.module).
+from liftmods.typing import (  # pylint: disable=unused-import
+    CollectionFilter, F, FrozenVariableDict, K, PRNGKey, RNGSequences,
+    VariableDict)
 
 
 # This thread's running modules, capture filters, interceptors and recording.
@@ -127,22 +131,35 @@ _UNINITIALIZED = _State()
 # -- decorators ----------------------------------------------------------------
 
 
-def compact(fun):
+def compact(fun: F) -> F:
   """Marks a method that may define submodules and variables inline.
 
   A module may have several compact methods (as in Linen): automatic names
   continue across the ones that run within one outer call.
+
+  Args:
+    fun: the method.
+
+  Returns:
+    ``fun`` itself, marked.
   """
   fun.compact = True
   return fun
 
 
-def compact_name_scope(fun):
-  """Marks a method whose inline submodules live under a child named after
-  the method (Haiku-style name scopes), e.g. ``up/Dense_0``.
+def compact_name_scope(fun: F) -> F:
+  """Puts a method's inline submodules under a child named after the method.
 
-  The method runs inside a ``CompactNameScope`` child created when the
-  module is set up; it can also be the ``method=`` of init/apply.
+  Haiku-style name scopes, e.g. ``up/Dense_0``. The method runs inside a
+  ``CompactNameScope`` child created when the module is set up; it can
+  also be the ``method=`` of init/apply.
+
+  Args:
+    fun: the method.
+
+  Returns:
+    The wrapped method. Calling it on a module that is not set up (not
+    bound) raises ``ValueError``.
 
   >>> import jax, jax.numpy as jnp, liftmods as nn
   >>> class Foo(nn.Module):
@@ -172,9 +189,17 @@ def compact_name_scope(fun):
   return name_scope_method
 
 
-def nowrap(fun):
-  """Marks a helper method that must not be wrapped with module-state
-  handling (e.g. one that only builds submodules for a caller)."""
+def nowrap(fun: F) -> F:
+  """Marks a helper method that is not wrapped with module-state handling.
+
+  For methods that, e.g., only build submodules for a caller.
+
+  Args:
+    fun: the method.
+
+  Returns:
+    ``fun`` itself, marked.
+  """
   fun.nowrap = True
   return fun
 
@@ -316,7 +341,20 @@ DECLINED = object()  # what a ``Module._fast_apply`` returns to decline
 
 
 class Module:
-  """Base class of all modules; see the module docstring."""
+  """Base class of all modules; see the module docstring.
+
+  Subclasses declare their configuration as dataclass fields; two
+  keyword-only fields are added to every subclass.
+
+  Attributes:
+    parent: the module (or scope) this one is attached to; by default the
+      module whose method is running when it is constructed, None for a
+      top-level module.
+    name: the module's name in its parent; by default the attribute name
+      (in ``setup``) or ``ClassName_N`` (in a compact method).
+    scope: the scope holding the module's variables and rngs while it is
+      bound; None for an unbound module.
+  """
 
   scope: Scope | None = None
   _state = _UNINITIALIZED
@@ -513,9 +551,12 @@ class Module:
 
   # -- setup and method calls ----------------------------------------------------
 
-  def setup(self):
-    """Override to define submodules and variables lazily; runs once, on the
-    first method call or setup-attribute access of a bound module."""
+  def setup(self) -> None:
+    """Override to define submodules and variables lazily.
+
+    Runs once, on the first method call or setup-attribute access of a
+    bound module.
+    """
 
   def _try_setup(self, shallow: bool = False):
     state = self._state
@@ -598,10 +639,21 @@ class Module:
 
   # -- cloning ---------------------------------------------------------------------
 
-  def clone(self, *, parent=None, _deep_clone=False, _reset_names=False,
-            **updates):
-    """A copy with ``updates`` applied, attached to ``parent`` (default:
-    unattached)."""
+  def clone(self, *, parent: Any = None,
+            _deep_clone: bool | dict = False, _reset_names: bool = False,
+            **updates: Any) -> 'Module':
+    """A copy of the module with some fields replaced.
+
+    Args:
+      parent: the parent of the copy (default: none, unattached).
+      _deep_clone: also clone the submodules held in fields (True, or a
+        cache dict shared between calls).
+      _reset_names: with ``_deep_clone``, clear the submodules' names.
+      **updates: new values of fields.
+
+    Returns:
+      The new module, of the same class.
+    """
     attrs = {n: _field_value(self, n) for n in self._init_field_names}
     attrs['parent'] = parent
     attrs.update(updates)
@@ -621,9 +673,18 @@ class Module:
           attrs[n] = _map_modules(clone_sub, v)
     return type(self)(**attrs)
 
-  def copy(self, *, parent=_unspecified_parent, name=None, **updates):
-    """A deep copy attached to ``parent`` (default: the current module), with
-    a new automatic name unless ``name`` is given."""
+  def copy(self, *, parent: Any = _unspecified_parent,
+           name: str | None = None, **updates: Any) -> 'Module':
+    """A deep copy (submodules too), attached to a new parent.
+
+    Args:
+      parent: the parent of the copy (default: the running module).
+      name: the copy's name (default: a new automatic name).
+      **updates: new values of fields.
+
+    Returns:
+      The new module, of the same class.
+    """
     return self.clone(parent=parent, name=name, _deep_clone=True, **updates)
 
   # -- variables and rngs ------------------------------------------------------------
@@ -638,10 +699,29 @@ class Module:
       raise errors.NameInUseError(kind, name, type(self).__name__,
                                   path=scope.path_text)
 
-  def param(self, name: str, init_fn: Callable, *init_args, unbox=True,
-            **init_kwargs):
-    """Declares parameter ``name``; created with
-    ``init_fn(rng, *init_args)`` during init, read from ``params`` after."""
+  def param(self, name: str, init_fn: Callable[..., Any], *init_args: Any,
+            unbox: bool = True, **init_kwargs: Any) -> Any:
+    """Declares parameter ``name`` in the ``params`` collection.
+
+    During init it is created as ``init_fn(rng, *init_args,
+    **init_kwargs)`` with a key of the ``params`` rng sequence; afterwards
+    the stored value is returned.
+
+    Args:
+      name: the parameter's name in this module.
+      init_fn: the initializer, ``init_fn(key, *init_args, **init_kwargs)``.
+      *init_args: further arguments of ``init_fn`` (usually shape, dtype).
+      unbox: return the value inside an axis-metadata box (e.g.
+        ``Partitioned``) rather than the box.
+      **init_kwargs: keyword arguments of ``init_fn``.
+
+    Returns:
+      The parameter's value.
+
+    Raises:
+      ValueError: called outside ``setup`` or a compact method.
+      NameInUseError: ``name`` is already taken in this module.
+    """
     if not self._initialization_allowed:
       raise ValueError('Parameters must be initialized in `setup()` or in a '
                        'method wrapped in `@compact` '
@@ -652,10 +732,28 @@ class Module:
     self._state.children[name] = 'params'
     return value
 
-  def variable(self, col: str, name: str, init_fn: Callable | None = None,
-               *init_args, unbox=True, **init_kwargs) -> scope_lib.Variable:
-    """Declares variable ``name`` of collection ``col``; returns a reference
-    whose ``.value`` can be read and (if ``col`` is mutable) written."""
+  def variable(self, col: str, name: str,
+               init_fn: Callable[..., Any] | None = None, *init_args: Any,
+               unbox: bool = True, **init_kwargs: Any) -> scope_lib.Variable:
+    """Declares variable ``name`` of collection ``col``.
+
+    Args:
+      col: the collection, e.g. ``'batch_stats'``.
+      name: the variable's name in this module.
+      init_fn: makes the initial value, ``init_fn(*init_args,
+        **init_kwargs)`` (no key is passed), when the variable is missing.
+      *init_args: arguments of ``init_fn``.
+      unbox: ``.value`` unboxes axis metadata.
+      **init_kwargs: keyword arguments of ``init_fn``.
+
+    Returns:
+      A reference whose ``.value`` can be read and, if ``col`` is mutable,
+      written.
+
+    Raises:
+      ValueError: called outside ``setup`` or a compact method.
+      NameInUseError: ``name`` is already taken in this module.
+    """
     if not self._initialization_allowed:
       raise ValueError('Variables must be initialized in `setup()` or in a '
                        'method wrapped in `@compact` '
@@ -668,27 +766,83 @@ class Module:
     return v
 
   def has_variable(self, col: str, name: str) -> bool:
+    """Whether this module has variable ``name`` in collection ``col``.
+
+    Args:
+      col: the collection.
+      name: the variable's name.
+
+    Returns:
+      True when the variable exists.
+    """
     return self._require_scope(_NO_VARIABLES).has_variable(col, name)
 
-  def get_variable(self, col: str, name: str, default=None):
+  def get_variable(self, col: str, name: str, default: Any = None) -> Any:
+    """The value of variable ``name`` of collection ``col``.
+
+    Args:
+      col: the collection.
+      name: the variable's name.
+      default: returned when the variable does not exist.
+
+    Returns:
+      The value, or ``default``.
+    """
     return self._require_scope(_NO_VARIABLES).get_variable(col, name,
                                                                default)
 
-  def put_variable(self, col: str, name: str, value):
+  def put_variable(self, col: str, name: str, value: Any) -> None:
+    """Sets variable ``name`` of collection ``col`` (creating it if needed).
+
+    Args:
+      col: the collection; it must be mutable.
+      name: the variable's name.
+      value: the new value.
+    """
     self._require_scope(_NO_VARIABLES).put_variable(col, name, value)
 
   def is_mutable_collection(self, col: str) -> bool:
+    """Whether collection ``col`` may be written in this call.
+
+    Args:
+      col: the collection.
+
+    Returns:
+      True when ``col`` is mutable.
+    """
     return self._require_scope("Can't check mutability on unbound modules").is_mutable_collection(col)
 
   def has_rng(self, name: str) -> bool:
+    """Whether rng sequence ``name`` was given to this call.
+
+    Args:
+      name: the rng sequence, e.g. ``'dropout'``.
+
+    Returns:
+      True when keys of ``name`` can be made.
+    """
     return self._require_scope("Can't query for RNGs on unbound modules").has_rng(name)
 
-  def make_rng(self, name: str = 'params'):
-    """A new key from sequence ``name`` (falls back to 'params')."""
+  def make_rng(self, name: str = 'params') -> PRNGKey:
+    """A new key from rng sequence ``name``.
+
+    Every call returns a different key; a sequence that was not given falls
+    back to ``'params'``.
+
+    Args:
+      name: the rng sequence.
+
+    Returns:
+      A PRNG key.
+    """
     return self._require_scope("Can't use RNGs on unbound modules").make_rng(name)
 
   def is_initializing(self) -> bool:
-    """True inside ``init`` / ``init_with_output``."""
+    """Whether the module runs under ``init`` / ``init_with_output``.
+
+    Returns:
+      True during initialization.
+    """
     return bool(self._require_scope("Can't check if running under init() on unbound modules").get_flag(
         'initializing', False))
 
@@ -703,10 +857,25 @@ class Module:
   def path(self) -> tuple:
     return self._require_scope("Can't access module paths on unbound modules.").path
 
-  def sow(self, col: str, name: str, value, reduce_fn=_tuple_reduce,
-          init_fn=_tuple_init) -> bool:
-    """Stores ``value`` in ``col`` (a tuple of values by default); a no-op
-    returning False when ``col`` is not mutable."""
+  def sow(self, col: str, name: str, value: Any,
+          reduce_fn: Callable[[Any, Any], Any] = _tuple_reduce,
+          init_fn: Callable[[], Any] = _tuple_init) -> bool:
+    """Stores an intermediate value in collection ``col``.
+
+    A no-op when ``col`` is not mutable.
+
+    Args:
+      col: the collection, e.g. ``'intermediates'``.
+      name: the variable's name.
+      value: the value to store.
+      reduce_fn: combines the stored value with ``value`` (by default,
+        appends to a tuple).
+      init_fn: makes the stored value before the first ``value`` (by
+        default, an empty tuple).
+
+    Returns:
+      True when the value was stored, False when ``col`` is not mutable.
+    """
     scope = self._require_scope(_NO_STORE)
     if not scope.is_mutable_collection(col):
       return False
@@ -719,9 +888,26 @@ class Module:
     scope.put_variable(col, name, reduce_fn(xs, value))
     return True
 
-  def perturb(self, name: str, value, collection: str = 'perturbations'):
-    """Adds a zero variable to ``value`` so that its gradient is the gradient
-    with respect to this intermediate value."""
+  def perturb(self, name: str, value: Any,
+              collection: str = 'perturbations') -> Any:
+    """Adds a zero variable to ``value``, to take gradients with respect to it.
+
+    During init (with ``collection`` mutable) the zeros are created; when
+    ``collection`` is passed to apply, its entry is added to ``value``, so
+    the gradient with respect to it is the gradient with respect to
+    ``value``.
+
+    Args:
+      name: the variable's name.
+      value: the intermediate value (any pytree of arrays).
+      collection: the collection holding the perturbations.
+
+    Returns:
+      ``value``, plus the perturbation when there is one.
+
+    Raises:
+      ValueError: ``collection`` is given but lacks ``name``.
+    """
     scope = self._require_scope(_NO_STORE)
     if scope.is_mutable_collection(collection) and not scope.has_variable(
         collection, name):
@@ -759,10 +945,32 @@ class Module:
     return unbound_method(method)
 
   @api_boundary
-  def apply(self, variables, *args, rngs=None, method=None, mutable=False,
-            capture_intermediates=False, **kwargs):
-    """Runs ``method`` (default ``__call__``) with ``variables``; returns the
-    output, or ``(output, mutated_collections)`` when ``mutable``."""
+  def apply(self, variables: VariableDict, *args: Any,
+            rngs: PRNGKey | RNGSequences | None = None,
+            method: Callable[..., Any] | str | None = None,
+            mutable: CollectionFilter = False,
+            capture_intermediates: bool | Callable[['Module', str], bool] = False,
+            **kwargs: Any) -> Any:
+    """Runs a method of the module with the given variables.
+
+    Args:
+      variables: ``{collection: {...}}``, e.g. the output of ``init``.
+      *args: the method's arguments.
+      rngs: a key (for ``'params'``) or ``{sequence name: key}``.
+      method: the method to run, a function of the module or a method name
+        (default ``__call__``).
+      mutable: the collections the method may change (True: all).
+      capture_intermediates: True stores every method's output in
+        ``intermediates``; a function ``(module, method_name) -> bool``
+        chooses which.
+      **kwargs: the method's keyword arguments.
+
+    Returns:
+      The output, or ``(output, mutated_collections)`` when ``mutable``.
+
+    Raises:
+      InvalidRngError: ``rngs`` is not a key or a dict of keys.
+    """
     Module._module_checks(self)
     if (self._fast_apply is not None and method is None and rngs is None
         and mutable is False and capture_intermediates is False):
@@ -778,10 +986,28 @@ class Module:
         variables, (), {}, rngs, mutable)
 
   @api_boundary
-  def init_with_output(self, rngs, *args, method=None,
-                       mutable=DenyList('intermediates'),
-                       capture_intermediates=False, **kwargs):
-    """Initializes variables; returns ``(output, variables)``."""
+  def init_with_output(self, rngs: PRNGKey | RNGSequences, *args: Any,
+                       method: Callable[..., Any] | str | None = None,
+                       mutable: CollectionFilter = DenyList('intermediates'),
+                       capture_intermediates: bool | Callable[['Module', str], bool] = False,
+                       **kwargs: Any) -> tuple[Any, dict]:
+    """Initializes the variables by running a method.
+
+    Args:
+      rngs: a key (for ``'params'``) or ``{sequence name: key}``.
+      *args: the method's arguments.
+      method: the method to run (default ``__call__``).
+      mutable: the collections created (by default all but
+        ``intermediates``).
+      capture_intermediates: as for ``apply``.
+      **kwargs: the method's keyword arguments.
+
+    Returns:
+      ``(output, variables)``.
+
+    Raises:
+      InvalidRngError: ``rngs`` is not a key or a dict of keys.
+    """
     Module._module_checks(self)
     _check_key(self, rngs)
     fn = self._resolve_method(method)
@@ -790,21 +1016,55 @@ class Module:
                                 rngs, *args, **kwargs)
 
   @api_boundary
-  def init(self, rngs, *args, method=None, mutable=DenyList('intermediates'),
-           capture_intermediates=False, **kwargs):
-    """Initializes and returns the variables ``{collection: {...}}``."""
+  def init(self, rngs: PRNGKey | RNGSequences, *args: Any,
+           method: Callable[..., Any] | str | None = None,
+           mutable: CollectionFilter = DenyList('intermediates'),
+           capture_intermediates: bool | Callable[['Module', str], bool] = False,
+           **kwargs: Any) -> dict:
+    """Initializes the variables by running a method.
+
+    Args:
+      rngs: a key (for ``'params'``) or ``{sequence name: key}``.
+      *args: the method's arguments.
+      method: the method to run (default ``__call__``).
+      mutable: the collections created (by default all but
+        ``intermediates``).
+      capture_intermediates: as for ``apply``.
+      **kwargs: the method's keyword arguments.
+
+    Returns:
+      The variables, ``{collection: {...}}``.
+
+    Raises:
+      InvalidRngError: ``rngs`` is not a key or a dict of keys.
+    """
     Module._module_checks(self)
     return self.init_with_output(
         rngs, *args, method=method, mutable=mutable,
         capture_intermediates=capture_intermediates, **kwargs)[1]
 
   @api_boundary
-  def lazy_init(self, rngs, *args, method=None,
-                mutable=DenyList('intermediates'), **kwargs):
-    """Initializes the variables without computing on the inputs: inputs
-    may be ``jax.ShapeDtypeStruct``s (only their shapes and dtypes are
-    used). A variable whose value depends on such an input raises
-    ``LazyInitError``.
+  def lazy_init(self, rngs: PRNGKey | RNGSequences, *args: Any,
+                method: Callable[..., Any] | str | None = None,
+                mutable: CollectionFilter = DenyList('intermediates'),
+                **kwargs: Any) -> dict:
+    """Initializes the variables without computing on the inputs.
+
+    Inputs may be ``jax.ShapeDtypeStruct``s (only their shapes and dtypes
+    are used).
+
+    Args:
+      rngs: a key (for ``'params'``) or ``{sequence name: key}``.
+      *args: the method's arguments (arrays or ShapeDtypeStructs).
+      method: the method to run (default ``__call__``).
+      mutable: the collections created.
+      **kwargs: the method's keyword arguments.
+
+    Returns:
+      The variables, ``{collection: {...}}``.
+
+    Raises:
+      LazyInitError: a variable's value depends on an input.
 
     >>> import jax, jax.numpy as jnp, liftmods as nn
     >>> big = jax.ShapeDtypeStruct((1 << 28, 1024), jnp.float32)  # 1 TB
@@ -820,11 +1080,24 @@ class Module:
     return partial_eval.lazy_init(init_variables)(rngs, *args, **kwargs)
 
   @api_boundary
-  def module_paths(self, rngs, *args, show_repeated: bool = False,
-                   mutable=DenyList('intermediates'), **kwargs) -> dict:
-    """``{path: unbound copy of the module called there}`` for every module
-    that ``init`` calls (the root is ``''``); runs under ``jax.eval_shape``,
-    so nothing is computed.
+  def module_paths(self, rngs: PRNGKey | RNGSequences, *args: Any,
+                   show_repeated: bool = False,
+                   mutable: CollectionFilter = DenyList('intermediates'),
+                   **kwargs: Any) -> dict:
+    """The modules that ``init`` calls, by path.
+
+    Runs under ``jax.eval_shape``, so nothing is computed.
+
+    Args:
+      rngs: a key (for ``'params'``) or ``{sequence name: key}``.
+      *args: the arguments of ``__call__``.
+      show_repeated: list a module called several times once per call.
+      mutable: the collections init creates.
+      **kwargs: keyword arguments of ``__call__``.
+
+    Returns:
+      ``{path: unbound copy of the module called there}``; the root's path
+      is ``''``.
 
     >>> import jax, jax.numpy as jnp, liftmods as nn
     >>> class Foo(nn.Module):
@@ -841,25 +1114,54 @@ class Module:
                          show_repeated)
     return {'/'.join(c.path): c.module.copy(parent=None) for c in calls}
 
-  def bind(self, variables, *args, rngs=None, mutable=False):
-    """A bound copy of this module for interactive use."""
+  def bind(self, variables: VariableDict, *args: Any,
+           rngs: PRNGKey | RNGSequences | None = None,
+           mutable: CollectionFilter = False) -> 'Module':
+    """A copy of the module bound to ``variables``, for interactive use.
+
+    Args:
+      variables: ``{collection: {...}}``.
+      *args: ignored (accepted for Linen compatibility).
+      rngs: a key or ``{sequence name: key}`` for ``make_rng``.
+      mutable: the collections the bound module may change.
+
+    Returns:
+      The bound copy; its methods can be called directly.
+    """
     Module._module_checks(self)
     del args
     return self.clone(
         parent=scope_lib.bind(variables, rngs=rngs, mutable=mutable),
         _deep_clone=True)
 
-  def unbind(self):
-    """Returns ``(unbound_copy, variables)`` of a bound module."""
+  def unbind(self) -> tuple['Module', dict]:
+    """Splits a bound module into an unbound copy and its variables.
+
+    Returns:
+      ``(unbound_copy, variables)``.
+
+    Raises:
+      CallUnbindOnUnboundModuleError: the module is not bound.
+    """
     if self.scope is None:
       raise errors.CallUnbindOnUnboundModuleError(type(self).__name__)
     module = self.clone(_deep_clone=True, _reset_names=True, name=None)
     return module, _copy_dicts(self.variables)
 
   @api_boundary
-  def tabulate(self, rngs, *args, **kwargs):
-    """A table of submodules, shapes and parameter counts; see
-    ``liftmods.tabulate``."""
+  def tabulate(self, rngs: PRNGKey | RNGSequences, *args: Any,
+               **kwargs: Any) -> str:
+    """A table of submodules, shapes and parameter counts.
+
+    Args:
+      rngs: a key (for ``'params'``) or ``{sequence name: key}``.
+      *args: the arguments of ``__call__``.
+      **kwargs: keyword arguments of ``__call__``, and the table options of
+        ``liftmods.tabulate`` (``depth``, ``console_kwargs``, ...).
+
+    Returns:
+      The table, as text.
+    """
     from liftmods import summary  # summary imports this module
     table_kwargs = {k: kwargs.pop(k) for k in list(kwargs)
                     if k in summary.TABULATE_OPTIONS}
@@ -993,8 +1295,21 @@ def _scope_fn(fn, module, capture):
   return scope_fn
 
 
-def apply(fn, module: Module, mutable=False, capture_intermediates=False):
-  """``fn(bound_module, *args)`` as ``f(variables, *args, rngs=None)``.
+def apply(fn: Callable[..., Any], module: Module,
+          mutable: CollectionFilter = False,
+          capture_intermediates: bool | Callable[[Module, str], bool] = False
+          ) -> Callable[..., Any]:
+  """Turns ``fn(bound_module, *args)`` into ``f(variables, *args, rngs=None)``.
+
+  Args:
+    fn: a function taking the bound module first.
+    module: the module to bind.
+    mutable: the collections ``fn`` may change.
+    capture_intermediates: as for ``Module.apply``.
+
+  Returns:
+    ``f(variables, *args, rngs=None, **kwargs)``, returning ``fn``'s output,
+    or ``(output, mutated_collections)`` when ``mutable``.
 
   >>> import jax, jax.numpy as jnp, liftmods as nn
   >>> dense = nn.Dense(2)
@@ -1006,16 +1321,40 @@ def apply(fn, module: Module, mutable=False, capture_intermediates=False):
   return scope_lib.apply(_scope_fn(fn, module, capture), mutable=mutable)
 
 
-def init_with_output(fn, module: Module, mutable=DenyList('intermediates'),
-                     capture_intermediates=False):
-  """``fn(bound_module, *args)`` as ``f(rngs, *args) -> (out, variables)``."""
+def init_with_output(fn: Callable[..., Any], module: Module,
+                     mutable: CollectionFilter = DenyList('intermediates'),
+                     capture_intermediates: bool | Callable[[Module, str], bool] = False
+                     ) -> Callable[..., tuple[Any, dict]]:
+  """Turns ``fn(bound_module, *args)`` into ``f(rngs, *args) -> (out, variables)``.
+
+  Args:
+    fn: a function taking the bound module first.
+    module: the module to initialize.
+    mutable: the collections created.
+    capture_intermediates: as for ``Module.apply``.
+
+  Returns:
+    The initializing function.
+  """
   capture, mutable = _with_capture(capture_intermediates, mutable)
   return scope_lib.init(_scope_fn(fn, module, capture), mutable=mutable)
 
 
-def init(fn, module: Module, mutable=DenyList('intermediates'),
-         capture_intermediates=False):
-  """``fn(bound_module, *args)`` as ``f(rngs, *args) -> variables``."""
+def init(fn: Callable[..., Any], module: Module,
+         mutable: CollectionFilter = DenyList('intermediates'),
+         capture_intermediates: bool | Callable[[Module, str], bool] = False
+         ) -> Callable[..., dict]:
+  """Turns ``fn(bound_module, *args)`` into ``f(rngs, *args) -> variables``.
+
+  Args:
+    fn: a function taking the bound module first.
+    module: the module to initialize.
+    mutable: the collections created.
+    capture_intermediates: as for ``Module.apply``.
+
+  Returns:
+    The initializing function.
+  """
   with_output = init_with_output(fn, module, mutable, capture_intermediates)
 
   @functools.wraps(with_output)
@@ -1025,9 +1364,20 @@ def init(fn, module: Module, mutable=DenyList('intermediates'),
   return wrapper
 
 
-def merge_param(name: str, a, b):
-  """Returns whichever of ``a`` (constructor) and ``b`` (call) is not None;
-  both or neither given is an error."""
+def merge_param(name: str, a: Any, b: Any) -> Any:
+  """Picks a setting given either to the constructor or at call time.
+
+  Args:
+    name: the setting's name, for the error message.
+    a: the constructor's value (None: not given).
+    b: the call's value (None: not given).
+
+  Returns:
+    Whichever of ``a`` and ``b`` is not None.
+
+  Raises:
+    ValueError: both or neither is given.
+  """
   if a is None and b is None:
     raise ValueError(f'Parameter "{name}" must be passed to the constructor '
                      'or at call time.')
@@ -1053,14 +1403,21 @@ class CompactNameScope(Module):
     return self.fn(self.module_fn(), *args, **kwargs)
 
 
-def share_scope(module: Module, other: Module, /):
-  """Makes ``module`` and ``other`` use one scope, so that their variables
-  live together (e.g. a LoRA wrapper adding ``A``/``B`` next to the kernel
-  of the Dense it wraps).
+def share_scope(module: Module, other: Module, /) -> None:
+  """Makes ``module`` and ``other`` use one scope.
 
-  If ``other``'s scope lies inside ``module``'s, ``other`` moves to
-  ``module``'s scope; otherwise ``module`` moves to ``other``'s. Children
-  already created under the moved module follow it.
+  Their variables then live together (e.g. a LoRA wrapper adding ``A``/``B``
+  next to the kernel of the Dense it wraps). If ``other``'s scope lies
+  inside ``module``'s, ``other`` moves to ``module``'s scope; otherwise
+  ``module`` moves to ``other``'s. Children already created under the moved
+  module follow it.
+
+  Args:
+    module: one module (usually the wrapper, ``self``).
+    other: the other module.
+
+  Raises:
+    CallShareScopeOnUnboundModuleError: either module is unbound.
 
   >>> import jax, jax.numpy as jnp, liftmods as nn
   >>> class LoRA(nn.Module):
@@ -1102,7 +1459,3 @@ def _is_within(scope: Scope, ancestor: Scope) -> bool:
     scope = scope.parent
   return False
 
-# Type aliases Linen code imports from this module (flax.linen.module).
-from liftmods.typing import (  # pylint: disable=unused-import
-    CollectionFilter, FrozenVariableDict, K, PRNGKey, RNGSequences,
-    VariableDict)
