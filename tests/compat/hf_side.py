@@ -14,11 +14,12 @@ JAX rejects; :func:`shim_jnp_clip` maps those keywords to ``min`` / ``max``.
 Both sides apply it identically, before transformers is imported.
 """
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from tests.compat.differential import flat, run_side
 
 
 def shim_jnp_clip():
@@ -42,26 +43,21 @@ def _tokens(batch, length, vocab, seed):
                     np.int32)
 
 
-def _flat(prefix, tree, out):
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    out[prefix + jax.tree_util.keystr(path)] = np.asarray(leaf)
-
-
 def _common(name, model, inputs, out, loss_of, gen_inputs=None):
   """Params, eval/train outputs, gradients and (optionally) generation."""
   params = model.params
-  _flat(f'{name}/params', params, out)
+  flat(f'{name}/params', params, out)
   dropout = jax.random.key(7)
   eval_out = model(**inputs, params=params, train=False)
-  _flat(f'{name}/eval', loss_of(eval_out), out)
+  flat(f'{name}/eval', loss_of(eval_out), out)
   train_out = model(**inputs, params=params, dropout_rng=dropout, train=True)
-  _flat(f'{name}/train', loss_of(train_out), out)
+  flat(f'{name}/train', loss_of(train_out), out)
 
   def loss(p):
     o = model(**inputs, params=p, dropout_rng=dropout, train=True)
     return jnp.mean(jnp.square(loss_of(o).astype(jnp.float32)))
 
-  _flat(f'{name}/grads', jax.grad(loss)(params), out)
+  flat(f'{name}/grads', jax.grad(loss)(params), out)
   if gen_inputs is not None:
     seq = model.generate(**gen_inputs, params=params, max_new_tokens=4,
                          do_sample=False).sequences
@@ -124,23 +120,5 @@ MODELS = {'bert': bert, 'bert_remat': lambda out: bert(out, True),
           'gpt2': gpt2, 'bart': bart, 'vit': vit}
 
 
-def main(argv):
-  side, path, names = argv[0], argv[1], argv[2:] or list(MODELS)
-  if side == 'liftmods':
-    from liftmods import compat
-    compat.install()
-  elif side != 'flax':
-    raise SystemExit(f'side must be flax or liftmods, got {side!r}')
-  shim_jnp_clip()
-  import flax.linen
-  out = {'meta/linen': np.asarray(flax.linen.Dense.__module__)}
-  for name in names:
-    start = time.process_time()
-    MODELS[name](out)
-    print(f'{side} {name}: {time.process_time() - start:.1f} s CPU',
-          file=sys.stderr)
-  np.savez(path, **out)
-
-
 if __name__ == '__main__':
-  main(sys.argv[1:])
+  run_side(sys.argv[1:], MODELS, shim_jnp_clip)

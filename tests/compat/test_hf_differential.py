@@ -19,17 +19,13 @@ without changing what is compared; ``LIFTMODS_TEST_XLA_CACHE=0`` turns it off.
 Both sides apply the same ``jnp.clip`` shim (``hf_side.shim_jnp_clip``):
 transformers 4.46 passes ``a_min=`` / ``a_max=``, which current JAX rejects.
 """
-import os
-import subprocess
-import sys
-
-import numpy as np
 import pytest
+
+from tests.compat import differential
 
 pytest.importorskip('transformers')
 pytestmark = pytest.mark.integration
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 # BERT runs once, with gradient checkpointing on, which exercises both the
 # model and nn_partitioning.remat (a plain BERT run added ~20% to the time).
 MODELS = ('bert_remat', 'gpt2', 'bart', 'vit')
@@ -41,22 +37,8 @@ PARTS = {'bert_remat': ('params', 'eval', 'train', 'grads'),
 
 @pytest.fixture(scope='module')
 def sides(tmp_path_factory):
-  tmp = tmp_path_factory.mktemp('hf')
-  env = {**os.environ, 'PYTHONPATH': ROOT, 'JAX_PLATFORMS': 'cpu'}
-  if os.environ.get('LIFTMODS_TEST_XLA_CACHE') != '0':
-    env.update(JAX_COMPILATION_CACHE_DIR=str(tmp / 'xla_cache'),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
-  out = {}
-  for side in ('flax', 'liftmods'):
-    proc = subprocess.run(
-        [sys.executable, '-m', 'tests.compat.hf_side', side,
-         str(tmp / f'{side}.npz'), *MODELS],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-        check=False)
-    assert proc.returncode == 0, f'{side} side failed:\n{proc.stderr[-4000:]}'
-    out[side] = dict(np.load(tmp / f'{side}.npz'))
-  return out
+  return differential.run_sides(tmp_path_factory.mktemp('hf'),
+                                'tests.compat.hf_side', MODELS)
 
 
 def test_each_side_used_its_library(sides):
@@ -66,14 +48,8 @@ def test_each_side_used_its_library(sides):
 
 @pytest.mark.parametrize('model', MODELS)
 def test_bit_identical(sides, model):
-  ref, ours = sides['flax'], sides['liftmods']
-  keys = sorted(k for k in ref if k.startswith(model + '/'))
-  assert keys == sorted(k for k in ours if k.startswith(model + '/'))
-  assert {k.split('/')[1].split('[')[0] for k in keys} == set(PARTS[model])
-  for key in keys:
-    assert ref[key].dtype == ours[key].dtype, key
-    np.testing.assert_array_equal(ours[key], ref[key], err_msg=key,
-                                  strict=True)
+  assert differential.parts_of(sides, model) == set(PARTS[model])
+  differential.assert_identical(sides, model)
 
 
 def test_generation_is_not_trivial(sides):
