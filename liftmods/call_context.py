@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import threading
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import jax
@@ -36,14 +37,17 @@ from liftmods import config
 _use_named_call = config.FLAG_VALUES['flax_profile']
 
 
-def enable_named_call():
-  """Wrap every module method call in ``jax.named_scope`` (the default)."""
+def enable_named_call() -> None:
+  """Wraps every module method call in ``jax.named_scope`` (the default).
+
+  The names then show in profiles and in the compiled program.
+  """
   global _use_named_call
   _use_named_call = True
 
 
-def disable_named_call():
-  """Stop wrapping module method calls in ``jax.named_scope``."""
+def disable_named_call() -> None:
+  """Stops wrapping module method calls in ``jax.named_scope``."""
   global _use_named_call
   _use_named_call = False
 
@@ -54,7 +58,13 @@ def named_call_enabled() -> bool:
 
 
 class override_named_call:
-  """Context manager setting named-call wrapping for its body."""
+  """Context manager setting named-call wrapping for its body.
+
+  The previous setting is restored on exit.
+
+  Args:
+    enable: wrap calls in ``jax.named_scope`` inside the ``with`` body.
+  """
 
   def __init__(self, enable: bool = True):
     self.enable = enable
@@ -110,13 +120,23 @@ class InterceptorContext:
 
 
 @contextlib.contextmanager
-def intercept_methods(interceptor):
-  """Routes every wrapped module method call made in this thread through
-  ``interceptor(next_fun, args, kwargs, context)`` for the ``with`` body.
+def intercept_methods(
+    interceptor: Callable[..., Any]) -> Iterator[None]:
+  """Routes this thread's module method calls through ``interceptor``.
 
-  Interceptors nest: the one registered first runs first. Methods marked
-  ``nowrap``, dunder methods other than ``__call__``, fields and
-  descriptors are not intercepted.
+  Inside the ``with`` body, every wrapped method call runs as
+  ``interceptor(next_fun, args, kwargs, context)``. Interceptors nest: the
+  one registered first runs first. Methods marked ``nowrap``, dunder
+  methods other than ``__call__``, fields and descriptors are not
+  intercepted.
+
+  Args:
+    interceptor: ``interceptor(next_fun, args, kwargs, context)``, where
+      ``next_fun(*args, **kwargs)`` runs the rest of the chain and
+      ``context`` is an ``InterceptorContext``; returns the call's result.
+
+  Yields:
+    None; the interceptor is active until the body exits.
 
   >>> import jax.numpy as jnp, liftmods as nn
   >>> class Foo(nn.Module):
