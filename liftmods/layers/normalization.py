@@ -136,8 +136,12 @@ def _normalize(mdl: Module, x: Array, mean: Array, var: Array,
   reduction_axes = canonicalize_axes(x.ndim, reduction_axes)
   feature_axes = canonicalize_axes(x.ndim, feature_axes)
   broadcast, shape = _feature_shapes(x, feature_axes)
-  y = x - jnp.expand_dims(mean, reduction_axes)
-  mul = lax.rsqrt(jnp.expand_dims(var, reduction_axes) + epsilon)
+  # Both expanded before use, in Linen's order: the same program, so an
+  # executable one library compiled serves the other from the cache.
+  mean = jnp.expand_dims(mean, reduction_axes)
+  var = jnp.expand_dims(var, reduction_axes)
+  y = x - mean
+  mul = lax.rsqrt(var + epsilon)
   used = [x]
   if use_scale:
     scale = _affine_param(mdl, 'scale', scale_init, shape, broadcast,

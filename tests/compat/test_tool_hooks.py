@@ -283,3 +283,27 @@ def test_variable_value_assignment_keeps_a_third_party_box():
   assert isinstance(box, FlaxBox) and box.note == 'qm'
   assert_identical(box.value, jnp.arange(3.0))
   assert_identical(out, jnp.arange(3.0))
+
+
+# -- the same programs as Linen ----------------------------------------------
+
+
+def test_normalization_lowers_to_linens_program():
+  """The normalization layers lower to Linen's StableHLO op for op (not
+  only to the same values): the differential tests' liftmods side then
+  loads the executables the flax side compiled from the shared persistent
+  cache instead of compiling its own (AQT's Transformer block compiled its
+  forward and gradient again while LayerNorm subtracted the mean before
+  expanding the variance)."""
+
+  def program(nn):
+    texts = []
+    for layer in (nn.LayerNorm(), nn.RMSNorm(), nn.GroupNorm(num_groups=1),
+                  nn.BatchNorm(use_running_average=False)):
+      variables = layer.init(jax.random.key(0), X)
+      apply = jax.jit(lambda v, x, layer=layer: layer.apply(v, x,
+                                                            mutable=True))
+      texts.append(apply.lower(variables, X).as_text(debug_info=False))
+    return texts
+
+  assert_matches_linen(program)
