@@ -27,7 +27,8 @@ def outcomes(report: pathlib.Path) -> dict:
   """``{test id: 'passed' | 'failed' | 'skipped'}`` from a JUnit report."""
   result = {}
   for case in ET.parse(report).getroot().iter('testcase'):
-    name = f"{case.get('classname')}::{case.get('name')}"
+    where = case.get('file') or case.get('classname')
+    name = f"{where}::{case.get('name')}"
     if case.find('skipped') is not None:
       result[name] = 'skipped'
     elif case.find('failure') is not None or case.find('error') is not None:
@@ -43,7 +44,8 @@ def run_side(flag: str, report: pathlib.Path, pytest_args, workdir) -> None:
              p for p in (str(TOOLS), os.environ.get('PYTHONPATH')) if p)}
   subprocess.run([sys.executable, '-m', 'liftmods.compat', '-m', 'pytest',
                   '-q', '-p', 'no:cacheprovider', '-p', 'no_tensorflow',
-                  f'--junitxml={report}', *pytest_args],
+                  '-o', 'junit_family=xunit1', f'--junitxml={report}',
+                  *pytest_args],
                  env=env, cwd=workdir, check=False)
 
 

@@ -30,10 +30,10 @@ def test_reports_counts_differences_and_regressions(tmp_path):
       env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
   out = proc.stdout
   assert 'flax.linen: 2/3 passed; liftmods: 2/3 passed' in out, out
-  assert ('differs: test_suite::test_not_switched: flax.linen passed, '
+  assert ('differs: test_suite.py::test_not_switched: flax.linen passed, '
           'liftmods failed') in out
-  assert ('differs: test_suite::test_switched: flax.linen failed, '
+  assert ('differs: test_suite.py::test_switched: flax.linen failed, '
           'liftmods passed') in out
-  assert 'failing under flax.linen itself (1):\n  test_suite::test_switched' in out
+  assert 'failing under flax.linen itself (1):\n  test_suite.py::test_switched' in out
   assert proc.returncode == 1  # test_not_switched regressed
   assert not list(tmp_path.glob('.compare-*.xml'))
