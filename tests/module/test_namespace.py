@@ -5,9 +5,7 @@ One test per name. A name fails when liftmods lacks it or when its signature
 differs (parameter names, kinds, order and defaults; for Module classes the
 dataclass fields, with ``parent``/``name`` compared by name only, since
 liftmods makes them keyword-only). ``EXCLUDED`` lists the names liftmods
-deliberately does not provide, each with its reason. ``PENDING_OTHER_BRANCH``
-lists names still being added; they are expected failures
-(non-strict) until they land and the entry is emptied.
+deliberately does not provide, each with its reason.
 """
 import dataclasses
 import importlib
@@ -78,8 +76,6 @@ EXCLUDED = {
                   'error messages) is not accepted; every other parameter '
                   'matches',
 }
-
-PENDING_OTHER_BRANCH = {}
 
 # -- the walk ------------------------------------------------------------------
 
@@ -295,19 +291,8 @@ def _signature_difference(theirs, ours):
   return f'signature differs:\n  linen    {pa}\n  liftmods {pb}'
 
 
-def _pending_owner(space, name):
-  return (PENDING_OTHER_BRANCH.get(f'{space}.{name}')
-          or PENDING_OTHER_BRANCH.get(f'{space}.*'))
-
-
 def _param(space, name):
-  key = f'{space}.{name}'
-  marks = []
-  owner = _pending_owner(space, name)
-  if owner:
-    marks.append(pytest.mark.xfail(
-        reason=f'pending: added by {owner}', strict=False))
-  return pytest.param(space, name, id=key, marks=marks)
+  return pytest.param(space, name, id=f'{space}.{name}')
 
 
 CASES = [c for c in _cases() if f'{c[0]}.{c[1]}' not in EXCLUDED]
