@@ -66,7 +66,7 @@ class Variable:
   @property
   def value(self):
     v = self.scope.get_variable(self.collection, self.name)
-    return meta.unbox(v) if self.unbox and not hasattr(v, 'shape') else v
+    return meta.unbox(v) if self.unbox and not _is_array(v) else v
 
   @value.setter
   def value(self, new):
@@ -83,10 +83,17 @@ class Variable:
     return f'Variable({self.scope.path_text}, {self.collection}/{self.name})'
 
 
+def _is_array(x) -> bool:
+  """A plain array or tracer: no box inside, one leaf. By type, not by a
+  ``shape`` attribute, which a pytree may have as a property that raises
+  (AQT's QTensor while it holds only scales)."""
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
 def _has_boxes(tree) -> bool:
   if isinstance(tree, meta.AxisMetadata):
     return True
-  if hasattr(tree, 'shape'):  # a plain array: nothing to walk
+  if _is_array(tree):  # nothing to walk
     return False
   return any(isinstance(x, meta.AxisMetadata) for x in
              jax.tree_util.tree_leaves(tree, is_leaf=meta.is_axis_metadata))
@@ -348,7 +355,7 @@ class Scope:
     params = self._collection('params')
     if name in params:
       value = params[name]
-      if unbox and not hasattr(value, 'shape'):
+      if unbox and not _is_array(value):
         value = meta.unbox(value)
       _check_shapes(name, self, value, init_fn, init_args, init_kwargs)
       return value
@@ -358,7 +365,7 @@ class Scope:
       raise errors.ScopeParamNotFoundError(name, self.path_text)
     value = init_fn(self.make_rng('params'), *init_args, **init_kwargs)
     self.put_variable('params', name, value)
-    return meta.unbox(value) if unbox and not hasattr(value, 'shape') else value
+    return meta.unbox(value) if unbox and not _is_array(value) else value
 
   def child(self, fn: Callable, name: str | None = None,
             prefix: str | None = None, named_call: bool = True,
@@ -540,7 +547,7 @@ def _expected_shapes(init_fn, init_args, init_kwargs):
 
 def _check_shapes(name, scope, value, init_fn, init_args, init_kwargs):
   expected = _expected_shapes(init_fn, init_args, init_kwargs)
-  leaves = (value,) if hasattr(value, 'shape') else jax.tree_util.tree_leaves(
+  leaves = (value,) if _is_array(value) else jax.tree_util.tree_leaves(
       value)
   for leaf, shape in zip(leaves, expected):
     if np.shape(leaf) != shape:

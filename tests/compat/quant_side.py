@@ -23,19 +23,19 @@ Cases (the parts each saves are listed in ``PARTS``):
 - ``aqt_mnist``: AQT's MNIST example (``flax_e2e_model``) end to end on
   tiny synthetic MNIST-shaped batches: ``create_train_state`` with int8
   ``AqtDotGeneral`` / ``AqtEinsum`` / ``AqtConvGeneralDilated``,
-  ``train_epoch``, ``serving_conversion`` and the served forward;
+  ``train_epoch``, ``serving_conversion`` (int8 weights, and int8 weights
+  and activations) and the served forward;
 - ``aqt_block``: a Transformer block (attention + MLP) whose projections
   use ``AqtDotGeneral`` and whose attention einsums are ``AqtEinsum``:
   init, forward, gradient.
 
 AQT's example module imports ``tensorflow_datasets`` and
 ``flax.metrics.tensorboard`` (TensorFlow) for its dataset download and
-summaries, which these cases do not use; :func:`stub_tensorflow_imports`
-puts empty stand-ins for them in ``sys.modules`` on both sides.
+summaries, which these cases do not use; both sides install
+``tools/no_tensorflow.py``'s stand-ins for them.
 """
 import functools
 import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -47,10 +47,9 @@ X = np.random.RandomState(0).randn(2, 6, 6, 3).astype(np.float32)
 Y = np.random.RandomState(1).randn(2, 4, 3).astype(np.float32)
 
 
-def stub_tensorflow_imports():
-  for name in ('tensorflow_datasets', 'flax.metrics.tensorboard'):
-    if name not in sys.modules:
-      sys.modules[name] = types.ModuleType(name)
+def no_tensorflow():
+  from tools import no_tensorflow as stand_ins  # pylint: disable=import-outside-toplevel
+  stand_ins.install()
 
 
 # -- qwix ---------------------------------------------------------------------
@@ -101,12 +100,14 @@ def _qat(name, static, out):
   model, variables, y, updated = _qat_forward(static)
   flat(f'{name}/init', variables, out)
   flat(f'{name}/forward', (y, updated), out)
-  # quant_stats stay immutable under grad: qwix updates them inside its
-  # custom_vjp forward, which leaks a tracer under jax.grad (in flax.linen
-  # too).
-  grads = jax.jit(jax.grad(lambda params: _mse(model.apply(
-      {**variables, 'params': params}, X))))(variables['params'])
-  flat(f'{name}/grads', grads, out)
+
+  def loss(params):  # a QAT training step's: the statistics update too
+    y, updated = model.apply({**variables, 'params': params}, X,
+                             mutable=['quant_stats'])
+    return _mse(y), updated
+
+  flat(f'{name}/grads',
+       jax.jit(jax.grad(loss, has_aux=True))(variables['params']), out)
 
 
 def qwix_ptq(out):
@@ -197,19 +198,21 @@ def aqt_mnist(out):
   state, loss, accuracy = e2e.train_epoch(state, data, 8, jax.random.key(1))
   flat('aqt_mnist/train', (state.model, state.opt_state, loss, accuracy),
        out)
-  serve_fns = []
+  for part, weight_only in (('', True), ('w8a8_', False)):
+    # weight_only=False also freezes activation scales (from the
+    # conversion's input).
+    serve_fns = []
 
-  def convert(state):
-    serve, serving = e2e.serving_conversion(state)
-    serve_fns.append(serve)
-    return serving
+    def convert(state, weight_only=weight_only, serve_fns=serve_fns):
+      serve, serving = e2e.serving_conversion(state, weight_only=weight_only)
+      serve_fns.append(serve)
+      return serving
 
-  serving = jax.jit(convert)(state)
-  serve = serve_fns[0]
-  flat('aqt_mnist/serving', serving, out)
-  logits = jax.jit(serve)(serving, data['image'][:8],
-                          rngs={'params': jax.random.key(3)})
-  flat('aqt_mnist/served', logits, out)
+    serving = jax.jit(convert)(state)
+    flat(f'aqt_mnist/{part}serving', serving, out)
+    logits = jax.jit(serve_fns[0])(serving, data['image'][:8],
+                                   rngs={'params': jax.random.key(3)})
+    flat(f'aqt_mnist/{part}served', logits, out)
 
 
 def _block(cfg):
@@ -279,9 +282,10 @@ PARTS = {
     'qwix_ptq': ('qparams', 'forward', 'srq_qparams', 'srq_forward'),
     'qwix_lora': ('init', 'forward', 'grads', 'steps'),
     'qwix_qlora': ('init', 'forward', 'grads', 'steps'),
-    'aqt_mnist': ('init', 'train', 'serving', 'served'),
+    'aqt_mnist': ('init', 'train', 'serving', 'served', 'w8a8_serving',
+                  'w8a8_served'),
     'aqt_block': ('init', 'forward', 'grads'),
 }
 
 if __name__ == '__main__':
-  run_side(sys.argv[1:], CASES, stub_tensorflow_imports)
+  run_side(sys.argv[1:], CASES, no_tensorflow)

@@ -285,6 +285,43 @@ def test_variable_value_assignment_keeps_a_third_party_box():
   assert_identical(out, jnp.arange(3.0))
 
 
+class ScalesOnly(flax.struct.PyTreeNode):
+  """Like AQT's QTensor: its ``shape`` property raises while it holds only
+  scales (AQT's freezer stores such a tensor for an activation)."""
+  qvalue: Any
+  scale: Any
+
+  @property
+  def shape(self):
+    assert self.qvalue is not None, 'no qvalue'
+    return self.qvalue.shape
+
+
+def test_variables_holding_a_pytree_whose_shape_raises():
+  """Storing, reassigning and reading such a pytree as a variable and as a
+  parameter, at init and apply (AQT's ``serving_conversion(...,
+  weight_only=False)`` assigns one to ``variable.value``; liftmods took
+  anything with a ``shape`` attribute for an array and asked for it)."""
+
+  def program(nn):
+    class Freeze(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        tensor = ScalesOnly(None, x.sum(keepdims=True))
+        frozen = self.variable('frozen', 'q', lambda: tensor)
+        frozen.value = tensor
+        p = self.param('p', lambda rng: ScalesOnly(None, jnp.ones(2)))
+        return frozen.value.scale + p.scale
+
+    y, variables = Freeze().init_with_output(jax.random.key(0), X)
+    return y, variables, Freeze().apply(variables, X * 2, mutable=True)
+
+  _, variables, (y, updated) = assert_matches_linen(program)
+  assert isinstance(variables['params']['p'], ScalesOnly)
+  assert_identical(updated['frozen']['q'].scale, (X * 2).sum(keepdims=True))
+  assert_identical(y, (X * 2).sum(keepdims=True) + jnp.ones(2))
+
+
 # -- the same programs as Linen ----------------------------------------------
 
 
