@@ -69,6 +69,8 @@ flags.DEFINE_integer('compile_repeats', 3, 'fresh traces/compiles per row '
 flags.DEFINE_integer('micro_rows', 8, 'rows per microbatch (schedules)')
 flags.DEFINE_list('schedule_micro', ['4', '8', '16', '32', '64'],
                   'M values for the schedules section')
+flags.DEFINE_list('time_micro', ['8', '32'],
+                  'M values for the schedule_time section')
 flags.DEFINE_multi_string(
     'tpu_row', ['4,8,1', '4,16,1', '4,8,2'],
     'S,M,R of a pipelined row of the tpu section (repeatable)')
@@ -275,46 +277,149 @@ def sgd_step(model, one_f_one_b):
   return step
 
 
-def schedule_rows(stages):
-  """(label, Pipeline) for GPipe, GPipe with remat_iterations and 1F1B."""
-  return [('gpipe', dict()), ('gpipe remat_iterations',
-                              dict(remat_iterations=True)),
-          ('1f1b', dict(mode='1f1b'))]
+SCHEDULES = [('gpipe', {}), ('gpipe remat_iterations',
+                            dict(remat_iterations=True)),
+             ('1f1b', dict(mode='1f1b'))]
 
 
-def compiled_step(model, one_f_one_b, params, x, mesh):
-  with jax.set_mesh(mesh):
-    return jax.jit(sgd_step(model, one_f_one_b)).lower(params, x).compile()
+def schedule_step(stages, micro, options, hidden, rows):
+  """``(model, step, params, x)`` of the train step for one schedule."""
+  pipe = nn.Pipeline(stages=stages, microbatches=micro, **options)
+  model = Model(hidden, 2 * stages, pipe)
+  x = jax.ShapeDtypeStruct((micro * rows, hidden), jnp.float32)
+  params = jax.eval_shape(model.init, jax.random.key(0), x)['params']
+  return model, sgd_step(model, pipe.mode == '1f1b'), params, x
 
 
 def activation_memory():
   """Temp bytes of the train step by schedule and M, at a fixed microbatch
-  size (the batch grows with M)."""
+  size (the batch grows with M); iterations read from the program."""
   stages, hidden, rows = 4, FLAGS.hidden, FLAGS.micro_rows
-  length = 2 * stages
-  print(f'\nTrain step (SGD) temp MiB per device, S={stages}, L={length}, '
-        f'width={hidden}, {rows} rows per microbatch (batch = M x {rows})')
   micros = [int(m) for m in FLAGS.schedule_micro]
-  print(f'  {"schedule":<24}' + ''.join(f'{"M=" + str(m):>10}'
+  print(f'\nTrain step (SGD) temp MiB per device, S={stages}, '
+        f'L={2 * stages}, width={hidden}, {rows} rows per microbatch (batch '
+        f'= M x {rows})')
+  print(f'  {"schedule":<26}' + ''.join(f'{"M=" + str(m):>9}'
                                         for m in micros))
   mesh = stage_mesh(stages)
-  for label, options in schedule_rows(stages):
+  loops = {}
+  for label, options in SCHEDULES:
     cells = []
     for micro in micros:
-      pipe = nn.Pipeline(stages=stages, microbatches=micro, **options)
-      model = Model(hidden, length, pipe)
-      x = jnp.ones((micro * rows, hidden))
-      params = jax.eval_shape(model.init, jax.random.key(0), x)['params']
-      compiled = compiled_step(model, 'mode' in options, params, x, mesh)
-      cells.append(compiled.memory_analysis().temp_size_in_bytes / 2**20)
-    print(f'  {label:<24}' + ''.join(f'{c:>10.2f}' for c in cells),
-          flush=True)
-  print(f'  {"iterations (GPipe)":<24}' + ''.join(
-      f'{nn.Pipeline(stages=stages, microbatches=m).iterations:>10}'
-      for m in micros))
-  print(f'  {"iterations (1F1B)":<24}' + ''.join(
-      f'{nn.Pipeline(stages=stages, microbatches=m, mode="1f1b").iterations:>10}'
-      for m in micros))
+      _, step, params, x = schedule_step(stages, micro, options, hidden, rows)
+      with jax.set_mesh(mesh):
+        compiled = jax.jit(step).lower(params, x).compile()
+        # the longest loop: iterations (the others run over layers)
+        loops[label, micro] = max(loop_lengths(
+            jax.make_jaxpr(step)(params, x).jaxpr, []))
+      cells.append(f'{compiled.memory_analysis().temp_size_in_bytes / 2**20:>9.2f}')
+    print(f'  {label:<26}' + ''.join(cells), flush=True)
+  for label, options in (SCHEDULES[0], SCHEDULES[2]):
+    print(f'  {"iterations, " + label:<26}' + ''.join(
+        f'{loops[label, m]:>9}' for m in micros))
+    print(f'  {"idle fraction, " + label:<26}' + ''.join(
+        f'{nn.Pipeline(stages=stages, microbatches=m, **options).bubble_fraction:>9.3f}'
+        for m in micros))
+
+
+def median_seconds(fn, repeats=5):
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def schedule_times():
+  """Lower, compile and step seconds of the train step, GPipe vs 1F1B."""
+  stages, hidden, rows = 4, FLAGS.hidden, FLAGS.micro_rows
+  print(f'\nTrain step (SGD) seconds on {jax.device_count()} CPU devices, '
+        f'S={stages}, L={2 * stages}, width={hidden}, {rows} rows per '
+        'microbatch; median of 3 lowerings/compiles and 5 steps')
+  print(f'  {"schedule":<14}{"M":>4}{"lower s":>10}{"compile s":>11}'
+        f'{"step ms":>10}')
+  mesh = stage_mesh(stages)
+  for micro in map(int, FLAGS.time_micro):
+    for label, options in (SCHEDULES[0], SCHEDULES[2]):
+      model, step, params, x = schedule_step(stages, micro, options, hidden,
+                                             rows)
+      with jax.set_mesh(mesh):
+        lower, comp = lower_and_compile(step, params, x)
+        x = jax.random.normal(jax.random.key(1), x.shape)
+        params = jax.jit(model.init)(jax.random.key(0), x)['params']
+        run = jax.jit(step)
+        jax.block_until_ready(run(params, x))
+        seconds = median_seconds(lambda: run(params, x))
+      print(f'  {label:<14}{micro:>4}{lower:>10.3f}{comp:>11.3f}'
+            f'{seconds * 1e3:>10.2f}', flush=True)
+
+
+def differences():
+  """Loss and gradients of the pipelined train step against the
+  unpipelined one (float32), per schedule."""
+  stages, hidden, rows, micro = 4, 64, 8, 8
+  print(f'\nAgainst the unpipelined model: S={stages}, M={micro}, '
+        f'width={hidden}, batch={micro * rows}; |d loss| / |loss| and the '
+        'largest |d grad| / max |grad| over the parameters')
+  x = jax.random.normal(jax.random.key(1), (micro * rows, hidden))
+  plain = Model(hidden, 2 * stages)
+  params = jax.jit(plain.init)(jax.random.key(0), x)['params']
+  loss, grads = jax.jit(jax.value_and_grad(model_loss(plain)))(params, x)
+  mesh = stage_mesh(stages)
+  results = {}
+  for label, options in (SCHEDULES[0], SCHEDULES[2]):
+    model, step, _, _ = schedule_step(stages, micro, options, hidden, rows)
+    grad = (nn.pipeline.value_and_grad if 'mode' in options else
+            jax.value_and_grad)(model_loss(model))
+    with jax.set_mesh(mesh):
+      results[label] = jax.jit(grad)(params, x)
+  def worst(a, b):
+    return max(float(jnp.abs(u - v).max() / jnp.abs(v).max())
+               for u, v in zip(jax.tree_util.tree_leaves(a),
+                               jax.tree_util.tree_leaves(b)))
+  for label, (l, g) in results.items():
+    print(f'  {label:<8} vs unpipelined: loss {abs(float(l - loss)) / abs(float(loss)):.2e}'
+          f'  gradients {worst(g, grads):.2e}')
+  (l1, g1), (l0, g0) = results['1f1b'], results['gpipe']
+  print(f'  1f1b vs gpipe:          loss {abs(float(l1 - l0)) / abs(float(l0)):.2e}'
+        f'  gradients {worst(g1, g0):.2e}')
+
+
+def tpu_schedules():
+  """Temp MiB of the train step per schedule and M, compiled for
+  --topology over a stage axis of 4 chips."""
+  if not FLAGS.topology:
+    raise app.UsageError('--sections=tpu_schedules needs --topology.')
+  stages, hidden, rows = 4, FLAGS.hidden, FLAGS.micro_rows
+  micros = [int(m) for m in FLAGS.schedule_micro]
+  mesh = aot.topology_mesh(FLAGS.topology, {'stage': stages, 'data': -1})
+  print(f'\nTrain step (SGD) compiled for {FLAGS.topology}: temp MiB per '
+        f'chip, S={stages}, L={2 * stages}, width={hidden}, {rows} rows per '
+        'microbatch')
+  print(f'  {"schedule":<26}' + ''.join(f'{"M=" + str(m):>9}'
+                                        for m in micros))
+  layers = NamedSharding(mesh, PartitionSpec('stage'))
+  whole = NamedSharding(mesh, PartitionSpec())
+  for label, options in SCHEDULES:
+    cells = []
+    for micro in micros:
+      model, step, params, x = schedule_step(stages, micro, options, hidden,
+                                             rows)
+      blocks = lambda path, _: any(getattr(k, 'key', None) == 'blocks'
+                                   for k in path)
+      shard = jax.tree_util.tree_map_with_path(
+          lambda path, a: layers if blocks(path, a) else whole, params)
+      args = (aot.abstract(params, shard), aot.abstract(x, whole))
+
+      def lower(step=step, args=args):
+        with jax.set_mesh(mesh):
+          return jax.jit(step).lower(*args)
+
+      report = aot.compile_report(f'{label} M={micro}', lower)[0]
+      cells.append(f'{report.temp / 2**20:>9.2f}' if report.fits
+                   else f'{"no fit":>9}')
+    print(f'  {label:<26}' + ''.join(cells), flush=True)
 
 
 def lower_and_compile(fn, *args):
@@ -420,7 +525,8 @@ def main(argv):
         f'{jax.default_backend()} devices')
   sections = {'bubble': bubble, 'memory': memory, 'compile': compile_times,
               'tpu': tpu_rows, 'placement': placement,
-              'schedules': activation_memory}
+              'schedules': activation_memory, 'schedule_time': schedule_times,
+              'differences': differences, 'tpu_schedules': tpu_schedules}
   for name in FLAGS.sections:
     sections[name]()
 

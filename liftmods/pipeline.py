@@ -16,6 +16,11 @@ The layers of stage ``s`` in repeat ``r`` are ``(r·S + s)·K + l`` for
 the pipelined and the unpipelined stack unchanged. For ``R > 1`` use
 :meth:`Pipeline.to_pipeline_layout` / :meth:`Pipeline.to_stack_layout`.
 
+``Pipeline(mode='1f1b')`` with :func:`value_and_grad` (in place of
+``jax.value_and_grad``) runs the one-forward-one-backward schedule: each
+iteration a stage runs one microbatch's forward and another's backward, so
+its activation memory does not grow with ``M``.
+
 >>> p = Pipeline(stages=2, microbatches=4, repeats=2)
 >>> p.iterations, round(p.bubble_fraction, 3)
 (9, 0.111)
@@ -25,7 +30,7 @@ the pipelined and the unpipelined stack unchanged. For ``R > 1`` use
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.extend
@@ -34,7 +39,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from liftmods import errors
+from liftmods import errors, spmd
 from liftmods.call_context import split_arrays
 
 
@@ -251,13 +256,8 @@ def record_stage_axes():
   >>> seen   # the stack is the root module here: path ()
   {(): 'stage'}
   """
-  outer, _stack_axes.record = _stack_axes.record, {}
-  try:
-    yield _stack_axes.record
-  finally:
-    seen, _stack_axes.record = _stack_axes.record, outer
-    if outer is not None:
-      outer.update(seen)
+  with spmd.recording(_stack_axes) as seen:
+    yield seen
 
 
 def note_stack(path: Sequence[str], pipeline: Pipeline) -> None:
@@ -531,8 +531,8 @@ class _TrainStep:
   path: Any = None
 
 
-def value_and_grad(loss_fn, *, has_aux: bool = False,
-                   shared_argnums: Sequence[int] = ()):
+def value_and_grad(loss_fn: Callable[..., Any], *, has_aux: bool = False,
+                   shared_argnums: Sequence[int] = ()) -> Callable[..., Any]:
   """``jax.value_and_grad(loss_fn)`` for a model whose pipelined stack has
   ``Pipeline(mode='1f1b')``: the loss and the gradients of every variable
   in ``params`` (the stack's, and those of the layers before and after it),
@@ -540,17 +540,18 @@ def value_and_grad(loss_fn, *, has_aux: bool = False,
 
   ``loss_fn(params, *args)`` is the ordinary loss: it applies the model
   (which calls the stack once) and reduces to a scalar that is a **mean
-  over the batch rows**. The stack's loop runs, on its last stage, the rest
-  of ``loss_fn`` after the stack (the head and the loss) one microbatch at a
-  time: ``loss_fn`` is called on microbatch ``m`` of every array in
-  ``args`` (rows ``m, m + M, ...``; each array's leading axis is the batch,
-  except scalars and the arguments in ``shared_argnums``, passed whole)
-  with the stack returning that microbatch's output, and the loss returned
-  is the mean over microbatches of those losses, which is ``loss_fn`` of the
-  whole batch up to float32 rounding. The layers before the stack run once
-  on the whole batch; their gradients come from the cotangent the loop
-  returns for the stack's input. Dropout keys are those the model draws on
-  the whole batch; each microbatch's head sees the same ones.
+  over the batch rows**. Inside the stack's loop ``loss_fn`` runs one
+  microbatch at a time, on microbatch ``m`` of every array in ``args``
+  (rows ``m, m + M, ...``; each array's leading axis is the batch, except
+  scalars and the arguments in ``shared_argnums``, passed whole): on stage
+  0 up to the stack (the layers before it, for the stage's input), on the
+  last stage from the stack's output for that microbatch to the loss, both
+  differentiated there. The loss returned is the mean over microbatches of
+  those losses, which is ``loss_fn`` of the whole batch up to float32
+  rounding. The layers outside the stack see the model's rngs on every
+  microbatch (so dropout masks there repeat from microbatch to
+  microbatch); the stack's layers draw GPipe's keys. See
+  ``docs/pipeline.md``.
 
   Args:
     loss_fn: ``loss_fn(params, *args) -> loss`` (``(loss, aux)`` with

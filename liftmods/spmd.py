@@ -189,11 +189,20 @@ def record_constraint_names():
   >>> list(seen)
   ['batch', 'embed']
   """
-  outer, _names_seen.record = _names_seen.record, {}
+  with recording(_names_seen) as seen:
+    yield seen
+
+
+@contextlib.contextmanager
+def recording(local):
+  """For ``local``, a ``threading.local`` with a ``record`` attribute: a
+  fresh dict in ``local.record`` for the ``with`` block, merged into the
+  enclosing block's dict (if any) when the block ends."""
+  outer, local.record = local.record, {}
   try:
-    yield _names_seen.record
+    yield local.record
   finally:
-    seen, _names_seen.record = _names_seen.record, outer
+    seen, local.record = local.record, outer
     if outer is not None:
       outer.update(seen)
 

@@ -35,6 +35,7 @@ import pytest
 from jax.sharding import AxisType
 
 import liftmods as nn
+from benchmarks.pipeline import Annotated  # kernel, bias annotated or not
 from liftmods import errors
 
 if jax.device_count() < 8:
@@ -338,25 +339,6 @@ def test_init_sharded_puts_each_stage_on_its_devices():
   # the one-device stack up to float32 rounding (seen: 3.3e-6 relative).
   np.testing.assert_allclose(y, jax.jit(nn.Stack(Wide, 16)().apply)(plain, x),
                              rtol=2e-5, atol=1e-5)
-
-
-class Annotated(nn.Module):
-  """A residual Dense block; ``annotate`` says which of its variables carry
-  logical names: 'both', 'kernel' (the bias is a plain array) or 'none'."""
-  annotate: str
-
-  @nn.compact
-  def __call__(self, x):
-    kernel_init = nn.initializers.lecun_normal()
-    bias_init = nn.initializers.zeros_init()
-    if self.annotate != 'none':
-      kernel_init = nn.with_logical_partitioning(kernel_init,
-                                                 ('embed', 'mlp'))
-    if self.annotate == 'both':
-      bias_init = nn.with_logical_partitioning(bias_init, ('mlp',))
-    dense = nn.Dense(x.shape[-1], kernel_init=kernel_init,
-                     bias_init=bias_init)
-    return x + jnp.tanh(dense(x))
 
 
 @pytest.mark.parametrize('annotate', ['both', 'kernel', 'none'])
