@@ -115,28 +115,42 @@ class MultiHeadDotProductAttention(Module):
 
   Attributes:
     num_heads: number of heads; ``qkv_features`` must be divisible by it.
-    dtype: computation dtype (None: inferred from inputs and params).
+    dtype: dtype of the computation (None: inferred from the inputs and
+      parameters).
     param_dtype: dtype of the parameters.
-    qkv_features: size of the projected queries/keys/values (default: the
+    qkv_features: size of the projected queries, keys and values (default: the
       feature size of ``inputs_q``).
-    out_features: size of the output (default: feature size of ``inputs_q``).
-    broadcast_dropout: share one attention-dropout mask over batch and heads.
+    out_features: size of the output (default: the feature size of
+      ``inputs_q``).
+    broadcast_dropout: share one attention-dropout mask over the batch and head
+      axes.
     dropout_rate: attention-weight dropout probability.
     deterministic: disables dropout; may instead be given at call time.
-    precision: ``jax.lax.Precision`` for the projections and the einsums.
-    kernel_init, bias_init: initializers of the four projections.
-    out_kernel_init, out_bias_init: overrides for the ``out`` projection.
+    precision: precision of the projections and the attention einsums.
+    kernel_init: initializer of the projection kernels.
+    out_kernel_init: initializer of the ``out`` projection kernel (None:
+      ``kernel_init``).
+    bias_init: initializer of the projection biases.
+    out_bias_init: initializer of the ``out`` projection bias (None:
+      ``bias_init``).
     use_bias: whether the projections have biases.
-    attention_fn: function ``(query, key, value, **kwargs)`` doing the
-      attention; only keyword arguments it declares are passed.
-    decode: keep and use an autoregressive key/value cache.
+    attention_fn: function ``(query, key, value, **kwargs)`` computing the
+      attention; only the keyword arguments it declares are passed.
+    decode: keep and use an autoregressive key/value cache (the ``cache``
+      collection).
     normalize_qk: apply bias-free LayerNorms ``query_ln``/``key_ln`` to the
       projected queries and keys.
     force_fp32_for_softmax: compute the softmax in float32.
-    qkv_dot_general, out_dot_general, qkv_dot_general_cls,
-    out_dot_general_cls: passed to the ``DenseGeneral`` projections.
-    qk_attn_weights_einsum_cls, attn_weights_value_einsum_cls: factories of
-      einsum replacements given to ``attention_fn``.
+    qkv_dot_general: ``dot_general`` of the query/key/value ``DenseGeneral``
+      projections.
+    out_dot_general: ``dot_general`` of the ``out`` projection.
+    qkv_dot_general_cls: ``dot_general_cls`` of the query/key/value
+      projections.
+    out_dot_general_cls: ``dot_general_cls`` of the ``out`` projection.
+    qk_attn_weights_einsum_cls: factory of the einsum computing the attention
+      weights, given to ``attention_fn``.
+    attn_weights_value_einsum_cls: factory of the einsum applying the weights
+      to the values, given to ``attention_fn``.
 
   >>> import jax, jax.numpy as jnp
   >>> layer = MultiHeadDotProductAttention(num_heads=2, out_features=3)
@@ -337,6 +351,45 @@ class MultiHeadAttention(MultiHeadDotProductAttention):
   Only the automatic name differs (``MultiHeadAttention_0``), which changes
   the variable paths and therefore the initial parameter values.
 
+  Attributes:
+    num_heads: number of heads; ``qkv_features`` must be divisible by it.
+    dtype: dtype of the computation (None: inferred from the inputs and
+      parameters).
+    param_dtype: dtype of the parameters.
+    qkv_features: size of the projected queries, keys and values (default: the
+      feature size of ``inputs_q``).
+    out_features: size of the output (default: the feature size of
+      ``inputs_q``).
+    broadcast_dropout: share one attention-dropout mask over the batch and head
+      axes.
+    dropout_rate: attention-weight dropout probability.
+    deterministic: disables dropout; may instead be given at call time.
+    precision: precision of the projections and the attention einsums.
+    kernel_init: initializer of the projection kernels.
+    out_kernel_init: initializer of the ``out`` projection kernel (None:
+      ``kernel_init``).
+    bias_init: initializer of the projection biases.
+    out_bias_init: initializer of the ``out`` projection bias (None:
+      ``bias_init``).
+    use_bias: whether the projections have biases.
+    attention_fn: function ``(query, key, value, **kwargs)`` computing the
+      attention; only the keyword arguments it declares are passed.
+    decode: keep and use an autoregressive key/value cache (the ``cache``
+      collection).
+    normalize_qk: apply bias-free LayerNorms ``query_ln``/``key_ln`` to the
+      projected queries and keys.
+    force_fp32_for_softmax: compute the softmax in float32.
+    qkv_dot_general: ``dot_general`` of the query/key/value ``DenseGeneral``
+      projections.
+    out_dot_general: ``dot_general`` of the ``out`` projection.
+    qkv_dot_general_cls: ``dot_general_cls`` of the query/key/value
+      projections.
+    out_dot_general_cls: ``dot_general_cls`` of the ``out`` projection.
+    qk_attn_weights_einsum_cls: factory of the einsum computing the attention
+      weights, given to ``attention_fn``.
+    attn_weights_value_einsum_cls: factory of the einsum applying the weights
+      to the values, given to ``attention_fn``.
+
   >>> import jax, jax.numpy as jnp
   >>> layer = MultiHeadAttention(num_heads=1)
   >>> x = jnp.ones((2, 3))
@@ -349,6 +402,45 @@ class SelfAttention(MultiHeadDotProductAttention):
   """Deprecated self-attention layer: attends ``inputs_q`` to itself.
 
   Prefer ``MultiHeadDotProductAttention()(x)``, which does the same.
+
+  Attributes:
+    num_heads: number of heads; ``qkv_features`` must be divisible by it.
+    dtype: dtype of the computation (None: inferred from the inputs and
+      parameters).
+    param_dtype: dtype of the parameters.
+    qkv_features: size of the projected queries, keys and values (default: the
+      feature size of ``inputs_q``).
+    out_features: size of the output (default: the feature size of
+      ``inputs_q``).
+    broadcast_dropout: share one attention-dropout mask over the batch and head
+      axes.
+    dropout_rate: attention-weight dropout probability.
+    deterministic: disables dropout; may instead be given at call time.
+    precision: precision of the projections and the attention einsums.
+    kernel_init: initializer of the projection kernels.
+    out_kernel_init: initializer of the ``out`` projection kernel (None:
+      ``kernel_init``).
+    bias_init: initializer of the projection biases.
+    out_bias_init: initializer of the ``out`` projection bias (None:
+      ``bias_init``).
+    use_bias: whether the projections have biases.
+    attention_fn: function ``(query, key, value, **kwargs)`` computing the
+      attention; only the keyword arguments it declares are passed.
+    decode: keep and use an autoregressive key/value cache (the ``cache``
+      collection).
+    normalize_qk: apply bias-free LayerNorms ``query_ln``/``key_ln`` to the
+      projected queries and keys.
+    force_fp32_for_softmax: compute the softmax in float32.
+    qkv_dot_general: ``dot_general`` of the query/key/value ``DenseGeneral``
+      projections.
+    out_dot_general: ``dot_general`` of the ``out`` projection.
+    qkv_dot_general_cls: ``dot_general_cls`` of the query/key/value
+      projections.
+    out_dot_general_cls: ``dot_general_cls`` of the ``out`` projection.
+    qk_attn_weights_einsum_cls: factory of the einsum computing the attention
+      weights, given to ``attention_fn``.
+    attn_weights_value_einsum_cls: factory of the einsum applying the weights
+      to the values, given to ``attention_fn``.
 
   >>> import warnings, jax, jax.numpy as jnp
   >>> warnings.simplefilter('ignore', DeprecationWarning)

@@ -21,6 +21,9 @@ class Sequential(Module):
   variables then live in the enclosing module, as in Linen) or outside any
   module (they become children ``layers_0``, ``layers_1``, ...).
 
+  Attributes:
+    layers: the modules or functions to apply, first to last.
+
   >>> import jax, jax.numpy as jnp
   >>> def split(x):
   ...   return x[:1], x[1:]

@@ -113,6 +113,25 @@ class DenseGeneral(Module):
   bias ``batch + features``; both are initialized as 2-D/1-D arrays and
   reshaped, so fan-in/fan-out count all contracted and all feature axes.
 
+  Attributes:
+    features: the output feature size: an int, or a tuple for several output
+      axes.
+    axis: the input axis or axes contracted with the kernel.
+    batch_dims: leading input axes (0, 1, ...) that get a kernel of their own.
+    use_bias: whether to add a learned bias.
+    dtype: dtype of the computation (None: inferred from the inputs and
+      parameters).
+    param_dtype: dtype of the parameters.
+    kernel_init: initializer of the kernel.
+    bias_init: initializer of the bias.
+    precision: precision of the matrix products (a ``jax.lax.Precision``, a
+      string, or a pair of them), passed to the op.
+    promote_dtype: casts the inputs and parameters to one dtype (``dtype``)
+      before computing; replace it to change that casting.
+    dot_general: the dot-product op used instead of ``lax.dot_general``.
+    dot_general_cls: a class whose instance (made with no arguments at each
+      call) is the dot-product op; wins over ``dot_general``.
+
   >>> import jax, jax.numpy as jnp
   >>> from liftmods.layers import linear as nn
   >>> layer = nn.DenseGeneral(features=(2, 3), axis=(-2, -1))
@@ -202,6 +221,22 @@ class DenseGeneral(Module):
 class Dense(Module):
   """A linear map over the last input axis: ``y = x @ kernel + bias``.
 
+  Attributes:
+    features: number of output features.
+    use_bias: whether to add a learned bias.
+    dtype: dtype of the computation (None: inferred from the inputs and
+      parameters).
+    param_dtype: dtype of the parameters.
+    precision: precision of the matrix products (a ``jax.lax.Precision``, a
+      string, or a pair of them), passed to the op.
+    kernel_init: initializer of the kernel.
+    bias_init: initializer of the bias.
+    promote_dtype: casts the inputs and parameters to one dtype (``dtype``)
+      before computing; replace it to change that casting.
+    dot_general: the dot-product op used instead of ``lax.dot_general``.
+    dot_general_cls: a class whose instance (made with no arguments at each
+      call) is the dot-product op; wins over ``dot_general``.
+
   >>> import jax, jax.numpy as jnp
   >>> from liftmods.layers import linear as nn
   >>> layer = nn.Dense(features=4, use_bias=False)
@@ -289,6 +324,23 @@ class Einsum(Module):
   (input, kernel) and an explicit ``->``; it is given either here or at call
   time, not both. The bias has one axis per kernel axis that appears in the
   output.
+
+  Attributes:
+    shape: the shape of the kernel.
+    einsum_str: the equation, e.g. ``'nc,cd->nd'`` (input, kernel); here or at
+      call time, not both.
+    use_bias: whether to add a learned bias.
+    dtype: dtype of the computation (None: inferred from the inputs and
+      parameters).
+    param_dtype: dtype of the parameters.
+    precision: precision of the matrix products (a ``jax.lax.Precision``, a
+      string, or a pair of them), passed to the op.
+    kernel_init: initializer of the kernel.
+    bias_init: initializer of the bias.
+    promote_dtype: casts the inputs and parameters to one dtype (``dtype``)
+      before computing; replace it to change that casting.
+    preferred_element_type: the accumulation and result dtype passed to the
+      einsum (None: the default).
 
   >>> import jax, jax.numpy as jnp
   >>> from liftmods.layers import linear as nn
@@ -584,6 +636,35 @@ class Conv(_Conv):
   int, or one int / ``(low, high)`` pair per spatial axis. The kernel has
   shape ``kernel_size + (in_features // feature_group_count, features)``.
 
+  Attributes:
+    features: number of output channels.
+    kernel_size: the window size: an int, or one int per spatial axis.
+    strides: the window step: an int, or one per spatial axis (None: 1).
+    padding: ``'SAME'``, ``'VALID'``, ``'CIRCULAR'``, ``'REFLECT'``,
+      ``'CAUSAL'``, an int, or one int or ``(low, high)`` pair per spatial
+      axis.
+    input_dilation: dilation of the input (``lhs_dilation``): an int, or one
+      per spatial axis.
+    kernel_dilation: dilation of the kernel (atrous convolution): an int, or
+      one per spatial axis.
+    feature_group_count: number of groups the input channels are split into
+      (grouped or depthwise convolution).
+    use_bias: whether to add a learned bias.
+    mask: an array shaped like the kernel that multiplies it (e.g. zeros for
+      masked connections).
+    dtype: dtype of the computation (None: inferred from the inputs and
+      parameters).
+    param_dtype: dtype of the parameters.
+    precision: precision of the matrix products (a ``jax.lax.Precision``, a
+      string, or a pair of them), passed to the op.
+    kernel_init: initializer of the kernel.
+    bias_init: initializer of the bias.
+    promote_dtype: casts the inputs and parameters to one dtype (``dtype``)
+      before computing; replace it to change that casting.
+    conv_general_dilated: the convolution op used instead of the ``lax`` one.
+    conv_general_dilated_cls: a class whose instance (made with no arguments at
+      each call) is the convolution op; wins over ``conv_general_dilated``.
+
   >>> import jax, jax.numpy as jnp
   >>> from liftmods.layers import linear as nn
   >>> layer = nn.Conv(features=4, kernel_size=(3,), strides=2)
@@ -602,6 +683,35 @@ class ConvLocal(_Conv):
   """A locally connected layer (``lax.conv_general_dilated_local``): like
   :class:`Conv`, but with separate weights and bias for every output
   position.
+
+  Attributes:
+    features: number of output channels.
+    kernel_size: the window size: an int, or one int per spatial axis.
+    strides: the window step: an int, or one per spatial axis (None: 1).
+    padding: ``'SAME'``, ``'VALID'``, ``'CIRCULAR'``, ``'REFLECT'``,
+      ``'CAUSAL'``, an int, or one int or ``(low, high)`` pair per spatial
+      axis.
+    input_dilation: dilation of the input (``lhs_dilation``): an int, or one
+      per spatial axis.
+    kernel_dilation: dilation of the kernel (atrous convolution): an int, or
+      one per spatial axis.
+    feature_group_count: number of groups the input channels are split into
+      (grouped or depthwise convolution).
+    use_bias: whether to add a learned bias.
+    mask: an array shaped like the kernel that multiplies it (e.g. zeros for
+      masked connections).
+    dtype: dtype of the computation (None: inferred from the inputs and
+      parameters).
+    param_dtype: dtype of the parameters.
+    precision: precision of the matrix products (a ``jax.lax.Precision``, a
+      string, or a pair of them), passed to the op.
+    kernel_init: initializer of the kernel.
+    bias_init: initializer of the bias.
+    promote_dtype: casts the inputs and parameters to one dtype (``dtype``)
+      before computing; replace it to change that casting.
+    conv_general_dilated: the convolution op used instead of the ``lax`` one.
+    conv_general_dilated_cls: a class whose instance (made with no arguments at
+      each call) is the convolution op; wins over ``conv_general_dilated``.
 
   >>> import jax, jax.numpy as jnp
   >>> from liftmods.layers import linear as nn
@@ -640,6 +750,30 @@ class ConvTranspose(Module):
   (which also flips the spatial axes, giving the gradient of a
   :class:`Conv` with the same kernel). ``'CIRCULAR'`` padding wraps the
   output to ``input length * stride`` per axis.
+
+  Attributes:
+    features: number of output channels.
+    kernel_size: the window size: an int, or one int per spatial axis.
+    strides: the step of the transposed window (output upsampling), one per
+      spatial axis (None: 1).
+    padding: ``'SAME'``, ``'VALID'``, ``'CIRCULAR'``, an int, or one int or
+      ``(low, high)`` pair per spatial axis.
+    kernel_dilation: dilation of the kernel, one per spatial axis (None: 1).
+    use_bias: whether to add a learned bias.
+    mask: an array shaped like the kernel that multiplies it.
+    dtype: dtype of the computation (None: inferred from the inputs and
+      parameters).
+    param_dtype: dtype of the parameters.
+    precision: precision of the matrix products (a ``jax.lax.Precision``, a
+      string, or a pair of them), passed to the op.
+    kernel_init: initializer of the kernel.
+    bias_init: initializer of the bias.
+    transpose_kernel: flip the spatial axes and swap the channel axes of the
+      kernel, giving the gradient of a ``Conv``.
+    promote_dtype: casts the inputs and parameters to one dtype (``dtype``)
+      before computing; replace it to change that casting.
+    preferred_element_type: the accumulation and result dtype passed to
+      ``lax.conv_transpose``.
 
   >>> import jax, jax.numpy as jnp
   >>> from liftmods.layers import linear as nn
@@ -715,6 +849,16 @@ class Embed(Module):
   (out-of-range indices give NaN; negative ones count from the end).
   ``attend(query)`` scores queries against every row, e.g. to tie input
   embeddings and output logits.
+
+  Attributes:
+    num_embeddings: number of rows of the table (the index range).
+    features: size of each embedding vector.
+    dtype: dtype of the computation (None: inferred from the inputs and
+      parameters).
+    param_dtype: dtype of the parameters.
+    embedding_init: initializer of the table.
+    promote_dtype: casts the inputs and parameters to one dtype (``dtype``)
+      before computing; replace it to change that casting.
 
   >>> import jax, jax.numpy as jnp
   >>> from liftmods.layers import linear as nn

@@ -171,6 +171,30 @@ class BatchNorm(Module):
   the constructor or at call time, exactly once. With ``axis_name`` the batch
   statistics are averaged over that named (pmap/vmap/shard_map) axis.
 
+  Attributes:
+    use_running_average: normalize with the running averages (evaluation)
+      rather than the batch statistics (training); given here or at call time,
+      exactly once.
+    axis: the feature axis; statistics are computed over all the others.
+    momentum: decay of the running averages: ``new = momentum * old + (1 -
+      momentum) * batch``.
+    epsilon: small number added to the variance before the square root.
+    dtype: dtype of the computation (None: inferred from the inputs and
+      parameters).
+    param_dtype: dtype of the parameters.
+    use_bias: whether to add a learned bias.
+    use_scale: whether to multiply by a learned ``scale``.
+    bias_init: initializer of the bias.
+    scale_init: initializer of the scale.
+    axis_name: a named axis (pmap, vmap, shard_map) over which the statistics
+      are averaged too.
+    axis_index_groups: groups of indices along ``axis_name`` to average within
+      (as for ``jax.lax.pmean``).
+    use_fast_variance: compute the variance as ``E[x^2] - E[x]^2`` (one pass)
+      rather than ``E[(x - E[x])^2]``.
+    force_float32_reductions: compute the statistics (and apply scale and bias)
+      in at least float32, whatever the input dtype.
+
   >>> import jax, jax.numpy as jnp
   >>> bn = BatchNorm(momentum=0.9)
   >>> x = jnp.array([[0.0, 2.0], [2.0, 6.0]])
@@ -262,6 +286,26 @@ class LayerNorm(Module):
   """Layer normalization: statistics per example over ``reduction_axes``
   (default: the last axis); ``scale``/``bias`` over ``feature_axes``.
 
+  Attributes:
+    epsilon: small number added to the variance before the square root.
+    dtype: dtype of the computation (None: inferred from the inputs and
+      parameters).
+    param_dtype: dtype of the parameters.
+    use_bias: whether to add a learned bias.
+    use_scale: whether to multiply by a learned ``scale``.
+    bias_init: initializer of the bias.
+    scale_init: initializer of the scale.
+    reduction_axes: the axes the statistics are computed over.
+    feature_axes: the axes that ``scale`` and ``bias`` have entries for.
+    axis_name: a named axis (pmap, vmap, shard_map) over which the statistics
+      are averaged too.
+    axis_index_groups: groups of indices along ``axis_name`` to average within
+      (as for ``jax.lax.pmean``).
+    use_fast_variance: compute the variance as ``E[x^2] - E[x]^2`` (one pass)
+      rather than ``E[(x - E[x])^2]``.
+    force_float32_reductions: compute the statistics (and apply scale and bias)
+      in at least float32, whatever the input dtype.
+
   >>> import jax, jax.numpy as jnp
   >>> x = jax.random.normal(jax.random.key(0), (2, 3, 4))
   >>> ln = LayerNorm(reduction_axes=(1, 2))
@@ -302,6 +346,24 @@ class LayerNorm(Module):
 class RMSNorm(Module):
   """Root-mean-square normalization: like LayerNorm but without centering
   and without a bias; divides by ``sqrt(mean(x**2) + epsilon)``.
+
+  Attributes:
+    epsilon: small number added to the mean square before the square root.
+    dtype: dtype of the computation (None: inferred from the inputs and
+      parameters).
+    param_dtype: dtype of the parameters.
+    use_scale: whether to multiply by a learned ``scale``.
+    scale_init: initializer of the scale.
+    reduction_axes: the axes the statistics are computed over.
+    feature_axes: the axes that ``scale`` has entries for.
+    axis_name: a named axis (pmap, vmap, shard_map) over which the statistics
+      are averaged too.
+    axis_index_groups: groups of indices along ``axis_name`` to average within
+      (as for ``jax.lax.pmean``).
+    use_fast_variance: compute the variance as ``E[x^2] - E[x]^2`` (one pass)
+      rather than ``E[(x - E[x])^2]``.
+    force_float32_reductions: compute the statistics (and apply scale and bias)
+      in at least float32, whatever the input dtype.
 
   >>> import jax, jax.numpy as jnp
   >>> x = jnp.array([[1.0, 7.0]])
@@ -344,6 +406,29 @@ class GroupNorm(Module):
   ``num_groups`` groups (or groups of ``group_size``; set ``num_groups=None``
   then); statistics per example and group over ``reduction_axes`` (default:
   every axis but the first, the batch axis).
+
+  Attributes:
+    num_groups: number of groups the channels are split into (None: use
+      ``group_size``).
+    group_size: number of channels per group; give it with ``num_groups=None``.
+    epsilon: small number added to the variance before the square root.
+    dtype: dtype of the computation (None: inferred from the inputs and
+      parameters).
+    param_dtype: dtype of the parameters.
+    use_bias: whether to add a learned bias.
+    use_scale: whether to multiply by a learned ``scale``.
+    bias_init: initializer of the bias.
+    scale_init: initializer of the scale.
+    reduction_axes: the axes the statistics are computed over; must include the
+      last (None: every axis but the first).
+    axis_name: a named axis (pmap, vmap, shard_map) over which the statistics
+      are averaged too.
+    axis_index_groups: groups of indices along ``axis_name`` to average within
+      (as for ``jax.lax.pmean``).
+    use_fast_variance: compute the variance as ``E[x^2] - E[x]^2`` (one pass)
+      rather than ``E[(x - E[x])^2]``.
+    force_float32_reductions: compute the statistics (and apply scale and bias)
+      in at least float32, whatever the input dtype.
 
   >>> import jax, jax.numpy as jnp
   >>> x = jax.random.normal(jax.random.key(0), (2, 5, 6))
@@ -433,6 +518,26 @@ class GroupNorm(Module):
 class InstanceNorm(Module):
   """Instance normalization: statistics per example and per feature over
   every axis but the first (batch) axis and ``feature_axes``.
+
+  Attributes:
+    epsilon: small number added to the variance before the square root.
+    dtype: dtype of the computation (None: inferred from the inputs and
+      parameters).
+    param_dtype: dtype of the parameters.
+    use_bias: whether to add a learned bias.
+    use_scale: whether to multiply by a learned ``scale``.
+    bias_init: initializer of the bias.
+    scale_init: initializer of the scale.
+    feature_axes: the axes that get statistics (and ``scale``/``bias`` entries)
+      of their own.
+    axis_name: a named axis (pmap, vmap, shard_map) over which the statistics
+      are averaged too.
+    axis_index_groups: groups of indices along ``axis_name`` to average within
+      (as for ``jax.lax.pmean``).
+    use_fast_variance: compute the variance as ``E[x^2] - E[x]^2`` (one pass)
+      rather than ``E[(x - E[x])^2]``.
+    force_float32_reductions: compute the statistics (and apply scale and bias)
+      in at least float32, whatever the input dtype.
 
   >>> import jax, jax.numpy as jnp
   >>> x = jax.random.normal(jax.random.key(0), (2, 3, 4, 5))

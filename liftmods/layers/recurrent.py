@@ -208,7 +208,17 @@ class OptimizedLSTMCell(_TwoStateCarry, RNNCellBase):
   matrix product for the four input kernels and one for the four hidden
   kernels.
 
-  Attributes are those of :class:`LSTMCell`.
+  Attributes:
+    features: size of the hidden state.
+    gate_fn: gate nonlinearity.
+    activation_fn: nonlinearity of the candidate state (and, for LSTMs, of the
+      output).
+    kernel_init: initializer of the input kernels.
+    recurrent_kernel_init: initializer of the hidden kernels.
+    bias_init: initializer of the biases.
+    dtype: computation dtype (None: inferred).
+    param_dtype: parameter dtype.
+    carry_init: initializer of the carry.
 
   >>> import jax, jax.numpy as jnp
   >>> cell = OptimizedLSTMCell(features=2)
@@ -334,7 +344,17 @@ class GRUCell(_OneStateCarry, RNNCellBase):
   ``n = activation_fn(W_in x + b_in + r (W_hn h + b_hn))``,
   ``h' = (1 - z) n + z h``.
 
-  Attributes: as :class:`LSTMCell`.
+  Attributes:
+    features: size of the hidden state.
+    gate_fn: gate nonlinearity.
+    activation_fn: nonlinearity of the candidate state (and, for LSTMs, of the
+      output).
+    kernel_init: initializer of the input kernels.
+    recurrent_kernel_init: initializer of the hidden kernels.
+    bias_init: initializer of the biases.
+    dtype: computation dtype (None: inferred).
+    param_dtype: parameter dtype.
+    carry_init: initializer of the carry.
 
   >>> import jax, jax.numpy as jnp
   >>> cell = GRUCell(features=2)
@@ -385,8 +405,15 @@ class MGUCell(_OneStateCarry, RNNCellBase):
   ``h' = (1 - f) n + f h``.
 
   Attributes:
-    features, gate_fn, activation_fn, kernel_init, recurrent_kernel_init,
-    dtype, param_dtype, carry_init: as :class:`LSTMCell`.
+    features: size of the hidden state.
+    gate_fn: gate nonlinearity.
+    activation_fn: nonlinearity of the candidate state ``n``.
+    kernel_init: initializer of the input kernels (``if``, ``in``).
+    recurrent_kernel_init: initializer of the hidden kernels (``hf``,
+      ``hn``).
+    dtype: computation dtype (None: inferred).
+    param_dtype: parameter dtype.
+    carry_init: initializer of the carry.
     forget_bias_init: initializer of ``b_if`` (ones by default).
     activation_bias_init: initializer of ``b_in`` and ``b_hn``.
     reset_gate: whether ``f`` also gates the hidden contribution to ``n``.
@@ -519,6 +546,17 @@ def flip_sequences(inputs: Array, seq_lengths: Array | None,
   the padding after them is rotated to the front, as in Linen:
   index ``t`` of the result reads input step ``(L - 1 - t) mod T``.
 
+  Args:
+    inputs: the sequences, ``(*batch, time, *features)`` or, with
+      ``time_major``, ``(time, *batch, *features)``.
+    seq_lengths: the length of each sequence, shaped like the batch axes
+      (None: all are full length).
+    num_batch_dims: the number of batch axes.
+    time_major: whether time is the first axis.
+
+  Returns:
+    The flipped sequences, shaped like ``inputs``.
+
   >>> import jax.numpy as jnp
   >>> x = jnp.arange(4.)[None, :, None]  # batch 1, time 4, features 1
   >>> flip_sequences(x, jnp.array([3]), 1, False)[0, :, 0]
@@ -587,8 +625,12 @@ class RNN(Module):
       ``seq_lengths`` when given).
     keep_order: with ``reverse``, flip the outputs back to input order.
     unroll: scan steps unrolled per loop iteration.
-    variable_axes, variable_broadcast, variable_carry, split_rngs: as for
-      :func:`liftmods.scan`.
+    variable_axes: as for :func:`liftmods.scan`.
+    variable_broadcast: as for :func:`liftmods.scan` (default: ``'params'``,
+      shared across steps).
+    variable_carry: as for :func:`liftmods.scan`.
+    split_rngs: as for :func:`liftmods.scan` (default:
+      ``{'params': False}``).
 
   >>> import jax, jax.numpy as jnp
   >>> rnn = RNN(GRUCell(features=3))
@@ -672,6 +714,13 @@ class Bidirectional(Module):
   reversed (outputs put back in input order), and merges the two outputs
   with ``merge_fn`` (concatenation on the last axis by default). The carry
   is ``(forward_carry, backward_carry)``.
+
+  Attributes:
+    forward_rnn: the RNN run over the inputs in order.
+    backward_rnn: the RNN run over the reversed inputs.
+    merge_fn: ``merge_fn(forward_outputs, backward_outputs)``.
+    time_major: whether time is the first axis.
+    return_carry: also return the pair of final carries.
 
   >>> import jax, jax.numpy as jnp
   >>> bi = Bidirectional(RNN(LSTMCell(3)), RNN(LSTMCell(3)))

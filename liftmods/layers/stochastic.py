@@ -35,6 +35,13 @@ class Dropout(Module):
   sequence (pass ``rngs={'dropout': key}`` to ``apply``). Entries along
   ``broadcast_dims`` share one mask value.
 
+  Attributes:
+    rate: the probability of zeroing an entry.
+    broadcast_dims: axes along which entries share one mask value.
+    deterministic: return the inputs unchanged; given here or at call time,
+      exactly once.
+    rng_collection: the rng sequence the mask key comes from.
+
   >>> import jax, jax.numpy as jnp
   >>> drop = Dropout(rate=0.5, broadcast_dims=(0,))
   >>> y = drop.apply({}, jnp.ones((3, 4)), deterministic=False,
