@@ -93,7 +93,7 @@ def dot_product_attention_weights(
     force_fp32_for_softmax: bool = False,
     einsum_dot_general: Callable[..., Array] | None = None,
     einsum: Callable[..., Array] | None = None,
-):
+) -> Array:
   """Softmax attention weights of ``query`` against ``key``.
 
   Args:
@@ -119,6 +119,10 @@ def dot_product_attention_weights(
 
   Returns:
     Weights shaped ``[batch..., num_heads, q_length, kv_length]``.
+
+  Raises:
+    ValueError: ``einsum`` is given with ``precision`` or
+      ``einsum_dot_general``.
   """
   if (precision or einsum_dot_general) and einsum:
     raise ValueError(
@@ -162,7 +166,7 @@ def dot_product_attention(
     einsum_dot_general: Callable[..., Array] | None = None,
     qk_attn_weights_einsum: Callable[..., Array] | None = None,
     attn_weights_value_einsum: Callable[..., Array] | None = None,
-):
+) -> Array:
   """Scaled dot-product attention (Vaswani et al., 2017).
 
   ``query``, ``key`` and ``value`` may have any number of batch axes,
@@ -172,9 +176,20 @@ def dot_product_attention(
     query: ``[batch..., q_length, num_heads, qk_depth]``.
     key: ``[batch..., kv_length, num_heads, qk_depth]``.
     value: ``[batch..., kv_length, num_heads, v_depth]``.
-    bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic,
-    dtype, precision, module, force_fp32_for_softmax, einsum_dot_general: as
-      for :func:`dot_product_attention_weights`.
+    bias: added to the logits; broadcastable to
+      ``[batch..., num_heads, q_length, kv_length]``.
+    mask: same broadcasting as ``bias``; where it is ``False`` the query
+      does not attend to the key.
+    broadcast_dropout: share one dropout mask across batch and head axes.
+    dropout_rng: PRNG key for dropout.
+    dropout_rate: probability of dropping a weight.
+    deterministic: when true, no dropout is applied.
+    dtype: computation dtype; inferred from the inputs when None.
+    precision: ``jax.lax.Precision`` for the einsums.
+    module: optional module into whose ``'intermediates'`` the weights are
+      sown (see :func:`dot_product_attention_weights`).
+    force_fp32_for_softmax: compute the softmax in float32.
+    einsum_dot_general: ``dot_general`` used by the default einsums.
     qk_attn_weights_einsum: einsum for the query-key product.
     attn_weights_value_einsum: einsum for the weights-value product. The two
       einsums must be given together, and not with ``precision`` or
@@ -182,6 +197,10 @@ def dot_product_attention(
 
   Returns:
     ``[batch..., q_length, num_heads, v_depth]``.
+
+  Raises:
+    ValueError: only one of the two einsums is given, or they are given with
+      ``precision`` or ``einsum_dot_general``.
   """
   if bool(qk_attn_weights_einsum) != bool(attn_weights_value_einsum):
     raise ValueError(
@@ -214,7 +233,7 @@ def make_attention_mask(
     pairwise_fn: Callable[..., Any] = jnp.multiply,
     extra_batch_dims: int = 0,
     dtype: Dtype = jnp.float32,
-):
+) -> Array:
   """Pairwise mask between a query sequence and a key sequence.
 
   Args:
@@ -239,8 +258,16 @@ def make_causal_mask(
 ) -> Array:
   """Lower-triangular self-attention mask for ``x`` of shape ``[batch..., len]``.
 
-  Only the shape of ``x`` is used. Returns ``[batch..., 1, len, len]`` where
-  position ``i`` may attend to positions ``j <= i``.
+  Only the shape of ``x`` is used.
+
+  Args:
+    x: ``[batch..., len]``.
+    extra_batch_dims: number of leading singleton axes to add.
+    dtype: dtype of the returned mask.
+
+  Returns:
+    ``[batch..., 1, len, len]``, where position ``i`` may attend to
+    positions ``j <= i``.
   """
   positions = jnp.broadcast_to(jnp.arange(x.shape[-1], dtype=jnp.int32),
                                x.shape)
@@ -253,8 +280,12 @@ def combine_masks(
 ) -> Array | None:
   """Logical AND of the given masks, ignoring ``None`` entries.
 
-  All non-None masks must have the same rank. Returns None when no mask is
-  given, else the combined mask cast to ``dtype``.
+  Args:
+    *masks: masks of one rank, or None.
+    dtype: dtype of the returned mask.
+
+  Returns:
+    The combined mask cast to ``dtype``, or None when every mask is None.
   """
   present = [m for m in masks if m is not None]
   if not present:

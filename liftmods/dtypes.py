@@ -59,7 +59,7 @@ def _infer_dtype(args, inexact: bool) -> Dtype:
 
 
 def canonicalize_dtype(
-    *args, dtype: Dtype | None = None, inexact: bool = True
+    *args: Any, dtype: Dtype | None = None, inexact: bool = True
 ) -> Dtype:
   """Return the dtype that ``args`` should be computed in.
 
@@ -73,6 +73,9 @@ def canonicalize_dtype(
 
   Returns:
     The chosen dtype.
+
+  Raises:
+    ValueError: ``inexact`` and the dtype is not floating or complex.
   """
   if dtype is None:
     dtype = _infer_dtype(args, inexact)
@@ -81,7 +84,8 @@ def canonicalize_dtype(
   return dtype
 
 
-def promote_dtype(*args, dtype=None, inexact=True) -> list[Any]:
+def promote_dtype(*args: Any, dtype: Dtype | None = None,
+                  inexact: bool = True) -> list[Any]:
   """Cast every argument to one common dtype.
 
   The dtype is picked by :func:`canonicalize_dtype` with the same arguments.

@@ -466,7 +466,14 @@ class Fp8DotGeneralBase(Module):
   """Holds the six fp8 meta variables in ``_overwrite_with_gradient``:
   ``{input,kernel,output_grad}_amax_history`` (zeros of length
   ``amax_history_length``) and ``{input,kernel,output_grad}_scale`` (ones
-  of shape ``(1,)``)."""
+  of shape ``(1,)``).
+
+  Attributes:
+    amax_history_length: number of past absolute maxima kept per operand to
+      compute its scale.
+    e4m3_dtype: the fp8 type of the forward operands (inputs and kernel).
+    e5m2_dtype: the fp8 type of the output gradient.
+  """
 
   amax_history_length: int = 1024
   e4m3_dtype: DType = jnp.float8_e4m3fn
@@ -501,7 +508,14 @@ class Fp8DotGeneralBase(Module):
 class Fp8DotGeneralOp(Fp8DotGeneralBase):
   """Deprecated qdq formulation: the operands are quantized and
   dequantized, then multiplied at DEFAULT precision; use
-  :class:`Fp8DirectDotGeneralOp` or :class:`Fp8Einsum`."""
+  :class:`Fp8DirectDotGeneralOp` or :class:`Fp8Einsum`.
+
+  Attributes:
+    amax_history_length: number of past absolute maxima kept per operand to
+      compute its scale.
+    e4m3_dtype: the fp8 type of the forward operands (inputs and kernel).
+    e5m2_dtype: the fp8 type of the output gradient.
+  """
 
   def __post_init__(self):
     super().__post_init__()
@@ -524,7 +538,14 @@ class Fp8DotGeneralOp(Fp8DotGeneralBase):
 
 class Fp8DirectDotGeneralOp(Fp8DotGeneralBase):
   """A ``dot_general`` replacement (``Dense(dot_general_cls=...)``) that
-  multiplies in fp8 with :func:`fp8_scaled_dot_general`."""
+  multiplies in fp8 with :func:`fp8_scaled_dot_general`.
+
+  Attributes:
+    amax_history_length: number of past absolute maxima kept per operand to
+      compute its scale.
+    e4m3_dtype: the fp8 type of the forward operands (inputs and kernel).
+    e5m2_dtype: the fp8 type of the output gradient.
+  """
 
   def __call__(self, *args, **kwargs):
     x, k, dims, compute_dtype = _parse_dot_inputs(*args, **kwargs)
@@ -534,7 +555,14 @@ class Fp8DirectDotGeneralOp(Fp8DotGeneralBase):
 
 
 class NANOOFp8DotGeneralOp(Fp8DotGeneralOp):
-  """:class:`Fp8DotGeneralOp` with the ``fnuz`` fp8 types."""
+  """:class:`Fp8DotGeneralOp` with the ``fnuz`` fp8 types.
+
+  Attributes:
+    amax_history_length: number of past absolute maxima kept per operand to
+      compute its scale.
+    e4m3_dtype: the fp8 type of the forward operands (inputs and kernel).
+    e5m2_dtype: the fp8 type of the output gradient.
+  """
 
   e4m3_dtype: DType = jnp.float8_e4m3fnuz
   e5m2_dtype: DType = jnp.float8_e5m2fnuz
@@ -542,7 +570,14 @@ class NANOOFp8DotGeneralOp(Fp8DotGeneralOp):
 
 class Fp8Einsum(Fp8DotGeneralBase):
   """An einsum replacement (``Einsum``/attention ``*_einsum_cls``) whose
-  contraction runs in fp8; ``lhs`` is cast to ``rhs``'s dtype."""
+  contraction runs in fp8; ``lhs`` is cast to ``rhs``'s dtype.
+
+  Attributes:
+    amax_history_length: number of past absolute maxima kept per operand to
+      compute its scale.
+    e4m3_dtype: the fp8 type of the forward operands (inputs and kernel).
+    e5m2_dtype: the fp8 type of the output gradient.
+  """
 
   def __call__(self, eqn, lhs: jax.Array, rhs: jax.Array, precision=None,
                preferred_element_type=None) -> jax.Array:

@@ -13,9 +13,14 @@ Array([[2., 3.],
 >>> avg_pool(x, (3,), padding=((1, 1),), count_include_pad=False)[0, 0]
 Array([1., 2.], dtype=float32)
 """
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from liftmods.typing import Array, LaxPadding
 
 
 def _explicit_padding(padding, window_shape):
@@ -31,7 +36,9 @@ def _explicit_padding(padding, window_shape):
   return padding + ((0, 0),)
 
 
-def pool(inputs, init, reduce_fn, window_shape, strides, padding):
+def pool(inputs: Array, init: Any, reduce_fn: Callable[[Any, Any], Any],
+         window_shape: Sequence[int], strides: Sequence[int] | None,
+         padding: LaxPadding) -> Array:
   """Reduce every window of ``inputs`` with ``reduce_fn``.
 
   Pooling is in general not differentiable, even with a differentiable
@@ -69,8 +76,10 @@ def pool(inputs, init, reduce_fn, window_shape, strides, padding):
 
 
 def avg_pool(
-    inputs, window_shape, strides=None, padding='VALID', count_include_pad=True
-):
+    inputs: Array, window_shape: Sequence[int],
+    strides: Sequence[int] | None = None, padding: LaxPadding = 'VALID',
+    count_include_pad: bool = True
+) -> Array:
   """Average over each window.
 
   Args:
@@ -95,11 +104,37 @@ def avg_pool(
   return total / counts
 
 
-def max_pool(inputs, window_shape, strides=None, padding='VALID'):
-  """Maximum over each window; arguments as for :func:`avg_pool`."""
+def max_pool(inputs: Array, window_shape: Sequence[int],
+             strides: Sequence[int] | None = None,
+             padding: LaxPadding = 'VALID') -> Array:
+  """Maximum over each window.
+
+  Args:
+    inputs: array shaped ``(batch..., window dims..., features)``.
+    window_shape: window size per spatial axis.
+    strides: step per spatial axis (default all ones).
+    padding: ``'SAME'``, ``'VALID'`` (default) or ``(low, high)`` pairs;
+      padding counts as ``-inf``.
+
+  Returns:
+    The window maxima.
+  """
   return pool(inputs, -jnp.inf, lax.max, window_shape, strides, padding)
 
 
-def min_pool(inputs, window_shape, strides=None, padding='VALID'):
-  """Minimum over each window; arguments as for :func:`avg_pool`."""
+def min_pool(inputs: Array, window_shape: Sequence[int],
+             strides: Sequence[int] | None = None,
+             padding: LaxPadding = 'VALID') -> Array:
+  """Minimum over each window.
+
+  Args:
+    inputs: array shaped ``(batch..., window dims..., features)``.
+    window_shape: window size per spatial axis.
+    strides: step per spatial axis (default all ones).
+    padding: ``'SAME'``, ``'VALID'`` (default) or ``(low, high)`` pairs;
+      padding counts as ``+inf``.
+
+  Returns:
+    The window minima.
+  """
   return pool(inputs, jnp.inf, lax.min, window_shape, strides, padding)
