@@ -24,13 +24,28 @@ Filter = Any  # bool | str | Iterable[str] | DenyList
 
 @dataclasses.dataclass(frozen=True)
 class DenyList:
-  """Matches every name that ``deny`` does not match."""
+  """Matches every name that ``deny`` does not match.
+
+  Attributes:
+    deny: the filter of the names not matched.
+  """
 
   deny: Filter
 
 
 def in_filter(filter_like: Filter, name: str) -> bool:
-  """Returns whether ``name`` is selected by ``filter_like``."""
+  """Whether ``name`` is selected by ``filter_like``.
+
+  Args:
+    filter_like: a filter.
+    name: a collection or rng sequence name.
+
+  Returns:
+    True when selected.
+
+  Raises:
+    InvalidFilterError: ``filter_like`` is not a filter.
+  """
   if filter_like is True or filter_like is False:
     return filter_like
   if isinstance(filter_like, str):
@@ -43,7 +58,18 @@ def in_filter(filter_like: Filter, name: str) -> bool:
 
 
 def filter_to_set(filter_like: Filter) -> set:
-  """Returns the finite set of names an explicit (non-DenyList) filter selects."""
+  """The finite set of names an explicit (non-DenyList) filter selects.
+
+  Args:
+    filter_like: False, a name or a collection of names.
+
+  Returns:
+    The names.
+
+  Raises:
+    ValueError: the filter is True or a DenyList (an open set).
+    InvalidFilterError: ``filter_like`` is not a filter.
+  """
   if filter_like is True or isinstance(filter_like, DenyList):
     raise ValueError(f'filter {filter_like!r} selects an open set of names')
   if filter_like is False:
@@ -64,7 +90,15 @@ def _deny_set(f: Filter) -> set:
 
 
 def union(a: Filter, b: Filter) -> Filter:
-  """A filter matching what ``a`` or ``b`` matches."""
+  """A filter matching what ``a`` or ``b`` matches.
+
+  Args:
+    a: a filter.
+    b: a filter.
+
+  Returns:
+    The union.
+  """
   if a is True or b is True:
     return True
   if a is False:
@@ -81,7 +115,15 @@ def union(a: Filter, b: Filter) -> Filter:
 
 
 def intersect(a: Filter, b: Filter) -> Filter:
-  """A filter matching what both ``a`` and ``b`` match."""
+  """A filter matching what both ``a`` and ``b`` match.
+
+  Args:
+    a: a filter.
+    b: a filter.
+
+  Returns:
+    The intersection.
+  """
   if a is False or b is False:
     return False
   if a is True:
@@ -98,7 +140,15 @@ def intersect(a: Filter, b: Filter) -> Filter:
 
 
 def subtract(a: Filter, b: Filter) -> Filter:
-  """A filter matching what ``a`` matches and ``b`` does not."""
+  """A filter matching what ``a`` matches and ``b`` does not.
+
+  Args:
+    a: a filter.
+    b: a filter.
+
+  Returns:
+    The difference.
+  """
   if b is True or a is False:
     return False
   if b is False:
@@ -117,7 +167,14 @@ def _make_deny(names: set) -> Filter:
 
 
 def is_empty(filter_like: Filter) -> bool:
-  """Whether the filter certainly matches no name."""
+  """Whether the filter certainly matches no name.
+
+  Args:
+    filter_like: a filter.
+
+  Returns:
+    True when it matches nothing.
+  """
   if filter_like is False:
     return True
   if _is_open(filter_like):

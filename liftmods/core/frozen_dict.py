@@ -21,11 +21,19 @@ import jax
 
 
 class FrozenDict(Mapping):
-  """An immutable mapping; nested dicts are frozen too."""
+  """An immutable mapping; nested dicts are frozen too.
+
+  Args:
+    *args: as for ``dict``: a mapping or an iterable of pairs.
+    __unsafe_skip_copy__: keep the given dict as it is (no copy, nested
+      dicts not frozen); for callers that own it.
+    **kwargs: as for ``dict``: entries by keyword.
+  """
 
   __slots__ = ('_dict', '_hash')
 
-  def __init__(self, *args, __unsafe_skip_copy__=False, **kwargs):
+  def __init__(self, *args: Any, __unsafe_skip_copy__: bool = False,
+               **kwargs: Any):
     raw = dict(*args, **kwargs)
     if not __unsafe_skip_copy__:
       raw = {k: _freeze_value(v) for k, v in raw.items()}
@@ -105,20 +113,44 @@ jax.tree_util.register_pytree_with_keys(
 
 
 def freeze(xs: Mapping) -> FrozenDict:
-  """Returns a FrozenDict copy of ``xs`` (nested mappings frozen too)."""
+  """A FrozenDict copy of ``xs`` (nested mappings frozen too).
+
+  Args:
+    xs: a mapping.
+
+  Returns:
+    The frozen copy.
+  """
   return FrozenDict(xs)
 
 
 def unfreeze(x: Any) -> Any:
-  """Returns a nested plain-dict copy of a (Frozen)dict; leaves are shared."""
+  """A nested plain-dict copy of a (Frozen)dict; leaves are shared.
+
+  Args:
+    x: a FrozenDict or dict (anything else is returned as it is).
+
+  Returns:
+    The plain-dict copy.
+  """
   if isinstance(x, (FrozenDict, dict)):
     return {k: unfreeze(v) for k, v in x.items()}
   return x
 
 
 def copy(x: Mapping, add_or_replace: Mapping = FrozenDict()) -> Mapping:
-  """Returns a shallow copy of ``x`` with ``add_or_replace`` merged in,
-  keeping its type (FrozenDict or dict)."""
+  """A shallow copy of ``x`` with ``add_or_replace`` merged in.
+
+  Args:
+    x: a FrozenDict or dict; the copy has the same type.
+    add_or_replace: entries to add or replace.
+
+  Returns:
+    The new mapping.
+
+  Raises:
+    TypeError: ``x`` is neither a dict nor a FrozenDict.
+  """
   if isinstance(x, FrozenDict):
     return x.copy(add_or_replace)
   if isinstance(x, dict):
@@ -128,8 +160,20 @@ def copy(x: Mapping, add_or_replace: Mapping = FrozenDict()) -> Mapping:
   raise TypeError(f'copy() expects a dict or FrozenDict, got {type(x)}')
 
 
-def pop(x: Mapping, key) -> tuple[Mapping, Any]:
-  """Returns ``(rest, value)`` without mutating ``x``."""
+def pop(x: Mapping, key: Any) -> tuple[Mapping, Any]:
+  """Removes ``key`` from a copy of ``x``; ``x`` is not changed.
+
+  Args:
+    x: a FrozenDict or dict.
+    key: the key to remove.
+
+  Returns:
+    ``(rest, value)``.
+
+  Raises:
+    TypeError: ``x`` is neither a dict nor a FrozenDict.
+    KeyError: ``key`` is missing.
+  """
   if isinstance(x, FrozenDict):
     return x.pop(key)
   if isinstance(x, dict):
@@ -140,7 +184,15 @@ def pop(x: Mapping, key) -> tuple[Mapping, Any]:
 
 
 def pretty_repr(x: Any, num_spaces: int = 4) -> str:
-  """Returns an indented, multi-line representation of a nested mapping."""
+  """An indented, multi-line representation of a nested mapping.
+
+  Args:
+    x: a nested mapping (or any value, shown with ``repr``).
+    num_spaces: indentation per level.
+
+  Returns:
+    The text.
+  """
 
   def render(value, depth):
     if not isinstance(value, Mapping):

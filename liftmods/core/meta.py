@@ -11,6 +11,7 @@
 import abc
 import dataclasses
 import functools
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 import jax
@@ -62,27 +63,70 @@ _BOX_PROTOCOL = tuple(
     if getattr(v, '__isabstractmethod__', False))
 
 
-def is_axis_metadata(val) -> bool:
+def is_axis_metadata(val: Any) -> bool:
+  """Whether ``val`` is an axis-metadata box.
+
+  Args:
+    val: any value.
+
+  Returns:
+    True for an ``AxisMetadata`` (or anything with its methods).
+  """
   return isinstance(val, AxisMetadata)
 
 
-def map_axis_meta(fn, tree):
-  """Applies ``fn`` to every box in ``tree``; other leaves stay."""
+def map_axis_meta(fn: Callable[[AxisMetadata], Any], tree: Any) -> Any:
+  """Applies ``fn`` to every box in ``tree``; other leaves stay.
+
+  Args:
+    fn: called on each box; its result replaces the box.
+    tree: a pytree that may hold boxes.
+
+  Returns:
+    The mapped tree.
+  """
   return jax.tree_util.tree_map(
       lambda x: fn(x) if isinstance(x, AxisMetadata) else x, tree,
       is_leaf=is_axis_metadata)
 
 
-def unbox(tree):
-  """Replaces every box in ``tree`` with its value (boxes in boxes too)."""
+def unbox(tree: Any) -> Any:
+  """Replaces every box in ``tree`` with its value (boxes in boxes too).
+
+  Args:
+    tree: a pytree, e.g. variables made with ``with_partitioning``.
+
+  Returns:
+    The same tree without boxes.
+  """
   return map_axis_meta(lambda box: unbox(box.unbox()), tree)
 
 
-def add_axis(tree, index: int, params: dict):
+def add_axis(tree: Any, index: int, params: dict) -> Any:
+  """Adds axis ``index`` to the metadata of every box in ``tree``.
+
+  Args:
+    tree: a pytree that may hold boxes.
+    index: where the new axis goes.
+    params: the transform's ``metadata_params``.
+
+  Returns:
+    The tree with updated boxes.
+  """
   return map_axis_meta(lambda box: box.add_axis(index, params), tree)
 
 
-def remove_axis(tree, index: int, params: dict):
+def remove_axis(tree: Any, index: int, params: dict) -> Any:
+  """Removes axis ``index`` from the metadata of every box in ``tree``.
+
+  Args:
+    tree: a pytree that may hold boxes.
+    index: the axis to remove.
+    params: the transform's ``metadata_params``.
+
+  Returns:
+    The tree with updated boxes.
+  """
   return map_axis_meta(lambda box: box.remove_axis(index, params), tree)
 
 
@@ -158,6 +202,11 @@ class Partitioned(AxisMetadata):
   pytrees by themselves (fields marked ``metadata={'static': True}`` are
   static), like Linen's ``struct.PyTreeNode``.
 
+  Attributes:
+    value: the boxed array.
+    names: one mesh axis name (or None) per dimension of ``value``.
+    mesh: the mesh the names refer to (None: the mesh context, if any).
+
   >>> import jax.numpy as jnp
   >>> box = Partitioned(jnp.ones((2, 4)), (None, 'model'))
   >>> get_partition_spec({'w': box, 'n': 3})
@@ -230,8 +279,18 @@ class Partitioned(AxisMetadata):
 Partitioned = _register_box(Partitioned)
 
 
-def with_partitioning(fn, names, mesh=None):
-  """Wraps an initializer so that its output is boxed as Partitioned."""
+def with_partitioning(fn: Callable[..., Any], names: Sequence[str | None],
+                      mesh: Any = None) -> Callable[..., Partitioned]:
+  """Wraps an initializer so that its output is boxed as ``Partitioned``.
+
+  Args:
+    fn: the initializer, ``fn(key, shape, dtype)``.
+    names: one mesh axis name (or None) per dimension of the output.
+    mesh: the mesh the names refer to (None: the mesh context).
+
+  Returns:
+    The wrapped initializer.
+  """
 
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
@@ -248,15 +307,30 @@ def _leaf_spec(x):
   return None
 
 
-def get_partition_spec(tree):
-  """PartitionSpecs of the boxes in ``tree``; an empty spec for plain
-  arrays, None for other leaves (Python numbers, strings, ...)."""
+def get_partition_spec(tree: Any) -> Any:
+  """The ``PartitionSpec`` of every leaf of ``tree``.
+
+  Args:
+    tree: a pytree, e.g. boxed variables.
+
+  Returns:
+    A tree of the same structure: the box's spec for boxes, an empty spec
+    for plain arrays, None for other leaves (numbers, strings, ...).
+  """
   return jax.tree_util.tree_map(_leaf_spec, tree, is_leaf=is_axis_metadata)
 
 
-def get_sharding(tree, mesh):
-  """NamedShardings over ``mesh`` for the leaves of ``tree``, as
-  ``get_partition_spec`` (None for leaves that are not arrays)."""
+def get_sharding(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+  """The ``NamedSharding`` over ``mesh`` of every leaf of ``tree``.
+
+  Args:
+    tree: a pytree, e.g. boxed variables.
+    mesh: the device mesh.
+
+  Returns:
+    A tree of the same structure, with the specs of
+    ``get_partition_spec`` (None for leaves that are not arrays).
+  """
 
   def sharding(x):
     if hasattr(x, 'get_sharding'):
