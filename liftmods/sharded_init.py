@@ -29,6 +29,7 @@ True
 import difflib
 import math
 import warnings
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -38,9 +39,10 @@ from liftmods import errors, pipeline as pipelining
 from liftmods.core import meta
 from liftmods.traceback_util import api_boundary
 from liftmods.call_context import split_arrays
-from liftmods.spmd import (UNASSIGNED, LogicallyPartitioned, RulesFallback,
-                           assign_mesh_axes, get_logical_axis_rules,
-                           logical_axis_rules, record_constraint_names)
+from liftmods.spmd import (UNASSIGNED, LogicalRules, LogicallyPartitioned,
+                           RulesFallback, assign_mesh_axes,
+                           get_logical_axis_rules, logical_axis_rules,
+                           record_constraint_names)
 
 
 class LogicalNamesWarning(UserWarning):
@@ -49,9 +51,11 @@ class LogicalNamesWarning(UserWarning):
   never uses: most often a typo."""
 
 
-def init_sharded(module, mesh, rules=None, *, unbox: bool = True,
-                 fallback=RulesFallback.AXIS_IS_UNSHARDED,
-                 warn_unmapped: bool = True, **init_kwargs):
+def init_sharded(module: Any, mesh: jax.sharding.Mesh,
+                 rules: LogicalRules | None = None, *, unbox: bool = True,
+                 fallback: RulesFallback = RulesFallback.AXIS_IS_UNSHARDED,
+                 warn_unmapped: bool = True,
+                 **init_kwargs: Any) -> Callable[..., tuple[Any, Any]]:
   """Returns ``fn(rngs, *args, **kwargs) -> (variables, shardings)``.
 
   ``variables`` are ``module.init(rngs, *args, **init_kwargs, **kwargs)``
@@ -73,6 +77,27 @@ def init_sharded(module, mesh, rules=None, *, unbox: bool = True,
   the model name a misspelled rule name resembles. Map a name that should
   be replicated to ``None`` (``('embed', None)``), drop rules the model
   does not use, or pass ``warn_unmapped=False``, to silence it.
+
+  Every variable of a pipelined ``nn.Stack`` has its layer axis (axis 0)
+  on the pipeline's stage axis, annotated or not (``docs/pipeline.md``).
+
+  Args:
+    module: the Module to initialize.
+    mesh: the mesh the variables are created on.
+    rules: ``(logical name, mesh axes)`` pairs; None takes the rules
+      context's.
+    unbox: return the variables without their partitioning boxes.
+    fallback: what a logical name no rule maps gives: replicated
+      (``AXIS_IS_UNSHARDED``) or a ``LogicalAxisUnmappedError``
+      (``RAISE_ERROR``).
+    warn_unmapped: warn once about model names no rule maps and rule names
+      the model never uses.
+    **init_kwargs: passed to ``module.init`` on every call.
+
+  Returns:
+    ``fn(rngs, *args, **kwargs) -> (variables, shardings)``; ``fn.lower``
+    takes the same arguments and returns ``(jax.stages.Lowered,
+    shardings)``.
   """
   checked = not warn_unmapped
   if not jax.config.jax_threefry_partitionable:
