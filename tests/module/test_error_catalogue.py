@@ -8,9 +8,11 @@
   (``LINEN_RAISES`` lists where that is not a class of the same name).
 """
 import builtins
-import pickle
 import inspect
+import pathlib
+import pickle
 import re
+import sys
 import types
 
 import flax.core
@@ -21,7 +23,8 @@ import pytest
 import liftmods
 from liftmods import errors
 
-from test_docs import ROOT, extract_blocks
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / 'docs'))
+from test_docs import ROOT, extract_blocks  # pylint: disable=wrong-import-position
 
 DOC = ROOT / 'docs' / 'errors.md'
 
