@@ -47,6 +47,7 @@ import runpy
 import sys
 import types
 import warnings
+from collections.abc import Iterator
 
 __all__ = ['install', 'uninstall', 'is_installed', 'flax_linen_as_liftmods',
            'install_if_requested', 'ENV_VAR', 'SwitchWarning']
@@ -171,16 +172,24 @@ def _holders_of_real_linen():
   return holders
 
 
-def is_installed():
-  """Whether the switch is currently installed."""
+def is_installed() -> bool:
+  """Whether the switch is currently installed.
+
+  Returns:
+    True while ``flax.linen`` imports resolve to liftmods.
+  """
   return _State.finder is not None
 
 
-def install(warn=True):
-  """Make later imports of ``flax.linen`` and its submodules get liftmods.
+def install(warn: bool = True) -> None:
+  """Makes later imports of ``flax.linen`` and its submodules get liftmods.
 
   Idempotent. Modules that already imported the real ``flax.linen`` keep
-  it; with ``warn=True`` a :class:`SwitchWarning` lists them.
+  it.
+
+  Args:
+    warn: issue a :class:`SwitchWarning` listing the modules that keep the
+      real ``flax.linen``.
   """
   if is_installed():
     return
@@ -208,8 +217,8 @@ def install(warn=True):
     flax.linen = importlib.import_module(_PREFIX)
 
 
-def uninstall():
-  """Undo :func:`install` exactly; a no-op when it is not installed."""
+def uninstall() -> None:
+  """Undoes :func:`install` exactly; a no-op when it is not installed."""
   if not is_installed():
     return
   sys.meta_path.remove(_State.finder)
@@ -229,10 +238,17 @@ def uninstall():
 
 
 @contextlib.contextmanager
-def flax_linen_as_liftmods(warn=True):
+def flax_linen_as_liftmods(warn: bool = True) -> Iterator[None]:
   """Context manager form of :func:`install` / :func:`uninstall`.
 
   Objects imported inside the block keep referring to liftmods after it.
+  A switch installed before the block stays installed after it.
+
+  Args:
+    warn: as for :func:`install`.
+
+  Yields:
+    None, with the switch installed.
   """
   was_installed = is_installed()
   install(warn=warn)
@@ -243,8 +259,12 @@ def flax_linen_as_liftmods(warn=True):
       uninstall()
 
 
-def install_if_requested():
-  """Install the switch when ``LIFTMODS_AS_FLAX_LINEN=1``; return whether."""
+def install_if_requested() -> bool:
+  """Installs the switch when the environment sets ``LIFTMODS_AS_FLAX_LINEN=1``.
+
+  Returns:
+    Whether it was installed.
+  """
   if os.environ.get(ENV_VAR, '0') == '1':
     install()
     return True

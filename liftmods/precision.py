@@ -45,7 +45,7 @@ import dataclasses
 import fnmatch
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -301,9 +301,10 @@ _JIT_KEY = _make_user_context(None) if _make_user_context else None
 
 
 @contextlib.contextmanager
-def precision_policy(policy):
-  """Applies ``policy`` to every module method run in this thread inside
-  the ``with`` block.
+def precision_policy(
+    policy: 'Precision | Mapping[type[Module] | str, Precision]'
+) -> Iterator[None]:
+  """Applies ``policy`` to the module methods run in this thread inside the block.
 
   ``policy`` is a :class:`Precision` (every module) or a mapping whose keys
   are Module classes (instances of the class and its subclasses) or path
@@ -321,6 +322,16 @@ def precision_policy(policy):
   the model already traced without it) raises
   :class:`PrecisionPolicyError`. A path glob that matched no module warns
   once (:class:`PrecisionPolicyWarning`) when the block ends.
+
+  Args:
+    policy: a :class:`Precision`, or ``{Module class or path glob:
+      Precision}``.
+
+  Yields:
+    None, with the policy in force.
+
+  Raises:
+    PrecisionPolicyError: entered while a module method runs.
 
   >>> import jax, jax.numpy as jnp, liftmods as nn
   >>> bf16 = nn.Precision(compute_dtype=jnp.bfloat16)

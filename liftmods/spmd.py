@@ -20,7 +20,7 @@ import dataclasses
 import enum
 import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Union
 
 import jax
@@ -101,9 +101,24 @@ def assign_mesh_axes(names, rules=None) -> list | None:
   return out
 
 
-def logical_to_mesh_axes(array_dim_names, rules=None):
-  """The mesh PartitionSpec of an array whose dimensions have the logical
-  ``array_dim_names`` (None gives None). ``rules`` default to the context's."""
+def logical_to_mesh_axes(array_dim_names: Sequence[str | None] | None,
+                         rules: LogicalRules | None = None
+                         ) -> PartitionSpec | None:
+  """The mesh PartitionSpec of an array with the given logical dimension names.
+
+  For each dimension the first rule naming it wins, unless one of its mesh
+  axes is already used by another dimension; unplaced names are replicated.
+
+  Args:
+    array_dim_names: one logical name (or None) per dimension, or None.
+    rules: ``((logical name, mesh axes), ...)`` (None: the context's).
+
+  Returns:
+    The PartitionSpec over mesh axes (None for ``array_dim_names=None``).
+
+  Raises:
+    ValueError: a name occurs twice, or ``rules`` is not a tuple or list.
+  """
   out = assign_mesh_axes(array_dim_names, rules)
   if out is None:
     return None
@@ -114,14 +129,32 @@ def _is_spec(x) -> bool:
   return isinstance(x, PartitionSpec)
 
 
-def logical_to_mesh(tree, rules=None):
-  """``logical_to_mesh_axes`` on every PartitionSpec in ``tree``."""
+def logical_to_mesh(tree: Any, rules: LogicalRules | None = None) -> Any:
+  """``logical_to_mesh_axes`` on every PartitionSpec in ``tree``.
+
+  Args:
+    tree: a pytree of logical PartitionSpecs.
+    rules: the rules (None: the context's).
+
+  Returns:
+    The tree of mesh PartitionSpecs.
+  """
   return jax.tree_util.tree_map(lambda x: logical_to_mesh_axes(x, rules),
                                 tree, is_leaf=_is_spec)
 
 
-def logical_to_mesh_sharding(tree, mesh, rules=None):
-  """NamedShardings over ``mesh`` for a tree of logical PartitionSpecs."""
+def logical_to_mesh_sharding(tree: Any, mesh: jax.sharding.Mesh,
+                             rules: LogicalRules | None = None) -> Any:
+  """NamedShardings over ``mesh`` for a tree of logical PartitionSpecs.
+
+  Args:
+    tree: a pytree of logical PartitionSpecs.
+    mesh: the device mesh.
+    rules: the rules (None: the context's).
+
+  Returns:
+    The tree of NamedShardings.
+  """
   return jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec),
                                 logical_to_mesh(tree, rules), is_leaf=_is_spec)
 
@@ -207,11 +240,27 @@ def recording(local):
       outer.update(seen)
 
 
-def with_logical_constraint(x, logical_axis_resources, rules=None, mesh=None,
-                            fallback=RulesFallback.AXIS_IS_UNSHARDED):
-  """``jax.lax.with_sharding_constraint`` in logical names: constrains each
-  array of ``x`` to the mesh axes its names map to. Does nothing without
-  rules, or without a mesh (``mesh`` or a mesh context)."""
+def with_logical_constraint(
+    x: ArrayPytree, logical_axis_resources: LogicalPartitionSpecPytree,
+    rules: LogicalRules | None = None, mesh: jax.sharding.Mesh | None = None,
+    fallback: RulesFallback = RulesFallback.AXIS_IS_UNSHARDED) -> ArrayPytree:
+  """``jax.lax.with_sharding_constraint`` in logical names.
+
+  Constrains each array of ``x`` to the mesh axes its names map to. Does
+  nothing without rules, or without a mesh (``mesh`` or a mesh context).
+
+  Args:
+    x: an array or pytree of arrays.
+    logical_axis_resources: logical names (a tuple or PartitionSpec per
+      array), matching ``x``'s structure.
+    rules: the rules (None: the context's).
+    mesh: the mesh (None: the mesh context).
+    fallback: what to do with a name no rule maps: leave the dimension
+      unsharded, raise, or skip the constraint.
+
+  Returns:
+    ``x``, constrained.
+  """
   if _names_seen.record is not None and logical_axis_resources is not None:
     for names in jax.tree_util.tree_leaves(logical_axis_resources,
                                            is_leaf=is_logical_names):
@@ -232,8 +281,16 @@ def with_logical_constraint(x, logical_axis_resources, rules=None, mesh=None,
 
 
 class LogicallyPartitioned(meta.Partitioned):
-  """A Partitioned box whose names are logical: unboxing constrains the
-  value through the rules (the box's own, else the context's).
+  """A Partitioned box whose names are logical.
+
+  Unboxing constrains the value through the rules (the box's own, else the
+  context's).
+
+  Attributes:
+    value: the boxed array.
+    names: one logical name (or None) per dimension of ``value``.
+    mesh: the mesh (None: the mesh context, if any).
+    rules: the box's own rules (None: the context's).
 
   >>> import jax.numpy as jnp
   >>> init = with_logical_partitioning(jnp.zeros, ('embed', 'mlp'))
@@ -265,9 +322,22 @@ class LogicallyPartitioned(meta.Partitioned):
     return super().from_nnx_metadata(md)
 
 
-def with_logical_partitioning(fn, names, mesh=None, rules=None):
-  """Wraps an initializer so that its output is boxed as LogicallyPartitioned
-  with the logical ``names`` (and optional ``mesh`` / ``rules``)."""
+def with_logical_partitioning(fn: Callable[..., Any],
+                              names: Sequence[str | None],
+                              mesh: jax.sharding.Mesh | None = None,
+                              rules: LogicalRules | None = None
+                              ) -> Callable[..., LogicallyPartitioned]:
+  """Wraps an initializer so that its output is boxed as LogicallyPartitioned.
+
+  Args:
+    fn: the initializer, ``fn(key, shape, dtype)``.
+    names: one logical name (or None) per dimension of the output.
+    mesh: the mesh (None: the mesh context).
+    rules: rules stored in the box (None: the context's when unboxed).
+
+  Returns:
+    The wrapped initializer.
+  """
 
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):

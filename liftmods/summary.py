@@ -55,6 +55,7 @@ from liftmods.core import meta
 from liftmods.core.filters import DenyList
 from liftmods.core.frozen_dict import unfreeze  # nn.summary.unfreeze, as Linen's
 from liftmods.module import Module
+from liftmods.typing import CollectionFilter, PRNGKey, RNGSequences
 
 # Keyword arguments of ``tabulate`` that ``Module.tabulate`` routes here
 # (everything else goes to ``init``).
@@ -63,29 +64,42 @@ TABULATE_OPTIONS = frozenset((
     'column_kwargs', 'compute_flops', 'compute_vjp_flops'))
 
 
-def tabulate(module: Module, rngs, depth: int | None = None,
-             show_repeated: bool = False, mutable=DenyList('intermediates'),
+def tabulate(module: Module, rngs: PRNGKey | RNGSequences,
+             depth: int | None = None,
+             show_repeated: bool = False,
+             mutable: CollectionFilter = DenyList('intermediates'),
              console_kwargs: Mapping[str, Any] | None = None,
              table_kwargs: Mapping[str, Any] = MappingProxyType({}),
              column_kwargs: Mapping[str, Any] = MappingProxyType({}),
              compute_flops: bool = False, compute_vjp_flops: bool = False,
-             **init_kwargs) -> Callable[..., str]:
-  """Returns ``fn(*args, **kwargs) -> str``: a table of ``module``'s calls.
+             **init_kwargs: Any) -> Callable[..., str]:
+  """A function that tabulates ``module``'s calls, shapes and parameters.
 
-  ``args``/``kwargs`` (and any extra ``init_kwargs``, e.g. ``method``) are
-  passed to ``module.init(rngs, ...)``. Arguments:
+  The returned ``fn(*args, **kwargs)`` passes its arguments (and
+  ``init_kwargs``) to ``module.init(rngs, ...)`` and returns the table as
+  plain text.
 
-  * ``depth``: rows deeper than this are hidden; a row at exactly ``depth``
-    counts the variables of its whole subtree, so the rows still add up.
-  * ``show_repeated``: also show second and later calls of a module (with
-    no variables, which the first call already counted).
-  * ``mutable``: as for ``init``.
-  * ``compute_flops`` / ``compute_vjp_flops``: add columns with the XLA cost
-    estimate of each call's forward pass / of its VJP (compiles every call).
-  * ``table_kwargs``: ``title`` and ``show_lines`` are honoured;
-    ``column_kwargs``: ``justify`` ('left', 'center', 'right') is honoured.
-    Other keys (and ``console_kwargs``) configure ``rich`` in Linen and are
-    accepted and ignored: the table is plain text.
+  Args:
+    module: the module to tabulate.
+    rngs: a key (for ``'params'``) or ``{sequence name: key}``, for init.
+    depth: rows deeper than this are hidden; a row at exactly ``depth``
+      counts the variables of its whole subtree, so the rows still add up.
+    show_repeated: also show second and later calls of a module (with no
+      variables, which the first call already counted).
+    mutable: as for ``init``.
+    console_kwargs: accepted and ignored (``rich`` options in Linen).
+    table_kwargs: ``title`` and ``show_lines`` are honoured; other keys are
+      ignored.
+    column_kwargs: ``justify`` ('left', 'center', 'right') is honoured;
+      other keys are ignored.
+    compute_flops: add a column with the XLA cost estimate of each call's
+      forward pass (compiles every call).
+    compute_vjp_flops: add a column with the estimate of each call's VJP.
+    **init_kwargs: further keyword arguments of ``module.init`` (e.g.
+      ``method``).
+
+  Returns:
+    ``fn(*args, **kwargs) -> str``.
   """
   del console_kwargs  # no console: plain text
 
