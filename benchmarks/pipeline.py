@@ -69,6 +69,9 @@ flags.DEFINE_integer('compile_repeats', 3, 'fresh traces/compiles per row '
 flags.DEFINE_integer('micro_rows', 8, 'rows per microbatch (schedules)')
 flags.DEFINE_list('schedule_micro', ['4', '8', '16', '32', '64'],
                   'M values for the schedules section')
+flags.DEFINE_list('schedule_names', ['gpipe', 'gpipe remat_iterations',
+                                     '1f1b'],
+                  'rows of the schedules and tpu_schedules sections')
 flags.DEFINE_list('time_micro', ['8', '32'],
                   'M values for the schedule_time section')
 flags.DEFINE_multi_string(
@@ -106,6 +109,29 @@ def loop_lengths(jaxpr, out):
     for sub in jax.extend.core.jaxprs_in_params(eqn.params):
       loop_lengths(sub, out)
   return out
+
+
+def permutes(jaxpr):
+  """Whether ``jaxpr`` (or one inside it) sends to the next stage."""
+  return any(eqn.primitive.name == 'ppermute' or any(
+      permutes(sub) for sub in jax.extend.core.jaxprs_in_params(eqn.params))
+             for eqn in jaxpr.eqns)
+
+
+def schedule_loop(jaxpr):
+  """The iterations the first shard_map runs: the lengths of the loops at
+  the top of its body that permute (the schedule's; a loop over layers
+  does not)."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'shard_map':
+      return sum(e.params['length'] for e in eqn.params['jaxpr'].eqns
+                 if e.primitive.name == 'scan' and permutes(
+                     e.params['jaxpr'].jaxpr))
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found = schedule_loop(sub)
+      if found:
+        return found
+  return 0
 
 
 def bubble():
@@ -282,6 +308,11 @@ SCHEDULES = [('gpipe', {}), ('gpipe remat_iterations',
              ('1f1b', dict(mode='1f1b'))]
 
 
+def chosen_schedules():
+  return [(label, options) for label, options in SCHEDULES
+          if label in FLAGS.schedule_names]
+
+
 def schedule_step(stages, micro, options, hidden, rows):
   """``(model, step, params, x)`` of the train step for one schedule."""
   pipe = nn.Pipeline(stages=stages, microbatches=micro, **options)
@@ -303,18 +334,19 @@ def activation_memory():
                                         for m in micros))
   mesh = stage_mesh(stages)
   loops = {}
-  for label, options in SCHEDULES:
+  for label, options in chosen_schedules():
     cells = []
     for micro in micros:
       _, step, params, x = schedule_step(stages, micro, options, hidden, rows)
       with jax.set_mesh(mesh):
         compiled = jax.jit(step).lower(params, x).compile()
-        # the longest loop: iterations (the others run over layers)
-        loops[label, micro] = max(loop_lengths(
-            jax.make_jaxpr(step)(params, x).jaxpr, []))
+        loops[label, micro] = schedule_loop(
+            jax.make_jaxpr(step)(params, x).jaxpr)
       cells.append(f'{compiled.memory_analysis().temp_size_in_bytes / 2**20:>9.2f}')
     print(f'  {label:<26}' + ''.join(cells), flush=True)
-  for label, options in (SCHEDULES[0], SCHEDULES[2]):
+  for label, options in chosen_schedules():
+    if 'remat_iterations' in options:
+      continue
     print(f'  {"iterations, " + label:<26}' + ''.join(
         f'{loops[label, m]:>9}' for m in micros))
     print(f'  {"idle fraction, " + label:<26}' + ''.join(
@@ -401,7 +433,7 @@ def tpu_schedules():
                                         for m in micros))
   layers = NamedSharding(mesh, PartitionSpec('stage'))
   whole = NamedSharding(mesh, PartitionSpec())
-  for label, options in SCHEDULES:
+  for label, options in chosen_schedules():
     cells = []
     for micro in micros:
       model, step, params, x = schedule_step(stages, micro, options, hidden,

@@ -29,6 +29,7 @@ its activation memory does not grow with ``M``.
 """
 import contextlib
 import dataclasses
+import functools
 import threading
 from typing import Any, Callable, Sequence
 
@@ -126,11 +127,14 @@ class Pipeline:
 
   @property
   def bubble_fraction(self) -> float:
-    """The share of idle stage-iterations: ``(S − 1) / (M·R + S − 1)``,
-    or ``(2S − 2) / (M + 2S − 2)`` for ``'1f1b'`` (a microbatch's
-    cotangent needs ``S − 1`` more iterations to come back)."""
-    return (self.iterations - self.microbatches * self.repeats) / (
-        self.iterations)
+    """The share of idle stage-iterations, ``(S − 1) / (M·R + S − 1)``.
+    For ``'1f1b'`` the share of idle forward (and of idle backward) slots
+    among those the loop runs: its first ``S − 1`` iterations run no
+    backward and its last ``S − 1`` no forward on any stage, and skip them,
+    so each stage runs ``M + S − 1`` forward and ``M + S − 1`` backward
+    slots, ``S − 1`` of each idle: GPipe's fraction."""
+    return (self.stages - 1) / (
+        self.microbatches * self.repeats + self.stages - 1)
 
   def schedule(self) -> np.ndarray:
     """``(iterations, stages)`` work items: ``j = r·M + m`` (repeat ``r``,
@@ -810,10 +814,8 @@ def _run_1f1b(pipeline, step, stage, mesh, micro, fixed, staged, path):
     stack_of = lambda tree, n: jax.tree_util.tree_map(
         lambda a: jnp.broadcast_to(a, (n,) + a.shape), tree)
 
-    def iteration(carry, t):
-      (arrived, cotangent, inputs, states, mutable, grads, outer_grads, loss,
-       outputs) = carry
-      # Forward of microbatch f = t - s (as in GPipe).
+    def forward_half(t, arrived, inputs, states, mutable, outputs):
+      """Forward of microbatch f = t - s (as in GPipe)."""
       f = t - s
       f_ok = (f >= 0) & (f < n_micro)
       f_at = jnp.clip(f, 0, n_micro - 1)
@@ -828,9 +830,13 @@ def _run_1f1b(pipeline, step, stage, mesh, micro, fixed, staged, path):
           mutable, updated)
       if step.has_aux:
         outputs = put(outputs, f_at, y, f_ok & (s == last))
-      # Backward of microbatch b = t - (2S - 2 - s): on the last stage the
-      # one just run forward, its cotangent from the loss; elsewhere the
-      # cotangent the next stage sent.
+      return y, inputs, states, mutable, outputs
+
+    def backward_half(t, y, cotangent, inputs, states, grads, outer_grads,
+                      loss):
+      """Backward of microbatch b = t - (2S - 2 - s): on the last stage the
+      one just run forward, its cotangent from the loss; elsewhere the
+      cotangent the next stage sent."""
       b = t - (2 * n_stages - 2) + s
       b_ok = (b >= 0) & (b < n_micro)
       b_at = jnp.clip(b, 0, n_micro - 1)
@@ -850,6 +856,18 @@ def _run_1f1b(pipeline, step, stage, mesh, micro, fixed, staged, path):
       outer_grads = add(outer_grads, d_head, b_ok & (s == last))
       outer_grads = add(outer_grads, d_embed, b_ok & (s == 0))
       loss = loss + jnp.where(b_ok & (s == last), l_b, 0.)
+      return d_x, grads, outer_grads, loss
+
+    def iteration(carry, t, forwards, backwards):
+      (arrived, cotangent, inputs, states, mutable, grads, outer_grads, loss,
+       outputs) = carry
+      y = d_x = _garbage(fill)
+      if forwards:
+        y, inputs, states, mutable, outputs = forward_half(
+            t, arrived, inputs, states, mutable, outputs)
+      if backwards:
+        d_x, grads, outer_grads, loss = backward_half(
+            t, y, cotangent, inputs, states, grads, outer_grads, loss)
       arrived = lax.ppermute(y, pipeline.axis, _neighbours(n_stages, 1))
       cotangent = lax.ppermute(d_x, pipeline.axis, _neighbours(n_stages, -1))
       return (arrived, cotangent, inputs, states, mutable, grads, outer_grads,
@@ -859,7 +877,21 @@ def _run_1f1b(pipeline, step, stage, mesh, micro, fixed, staged, path):
              stack_of(_at(mutable, 0), window), mutable, zeros(fixed_diff),
              zeros(outer_diff), jnp.zeros(()),
              stack_of(fill, n_micro if step.has_aux else 0))
-    carry, _ = lax.scan(iteration, carry, jnp.arange(pipeline.iterations))
+    # In the first S - 1 iterations no stage has a backward to run, in the
+    # last S - 1 none a forward: three loops (fill, steady, drain) leave
+    # those halves out, so the step takes M + S - 1 forwards and as many
+    # backwards of time, as GPipe's. (A lax.cond on t would do it in one
+    # loop, but kept XLA:TPU from updating the gradient sums in place: a
+    # copy of the stage's parameters in temp memory.)
+    for start, stop, forwards, backwards in (
+        (0, n_stages - 1, True, False),
+        (n_stages - 1, n_micro + n_stages - 1, True, True),
+        (n_micro + n_stages - 1, pipeline.iterations, False, True)):
+      if stop > start:
+        carry, _ = lax.scan(
+            functools.partial(iteration, forwards=forwards,
+                              backwards=backwards),
+            carry, jnp.arange(start, stop))
     _, _, _, _, mutable, grads, outer_grads, loss, outputs = carry
     return _lead((outputs, mutable, grads, outer_grads, loss))
 
