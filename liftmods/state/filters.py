@@ -47,6 +47,9 @@ from liftmods.module import Module
 from liftmods.state import errors
 
 Predicate = Callable[[tuple, AnyType], bool]
+# Anything to_predicate accepts: a Filter, a path glob, a compiled regex, a
+# type, True/False/None/..., a list or tuple of those, or a predicate.
+FilterLike = AnyType
 
 
 class Filter:
@@ -94,7 +97,7 @@ class Nothing(Filter):
 
 class _Combinator(Filter):
 
-  def __init__(self, *filters):
+  def __init__(self, *filters: FilterLike):
     self.predicates = tuple(to_predicate(f) for f in filters)
 
   def __eq__(self, other):
@@ -111,23 +114,36 @@ class _Combinator(Filter):
 
 
 class Any(_Combinator):
-  """Matches a leaf that at least one of the filters matches."""
+  """Matches a leaf that at least one of the filters matches.
+
+  Args:
+    *filters: the filters (anything :func:`to_predicate` accepts).
+  """
 
   def __call__(self, path, leaf):
     return any(p(path, leaf) for p in self.predicates)
 
 
 class All(_Combinator):
-  """Matches a leaf that every one of the filters matches."""
+  """Matches a leaf that every one of the filters matches.
+
+  Args:
+    *filters: the filters (anything :func:`to_predicate` accepts).
+  """
 
   def __call__(self, path, leaf):
     return all(p(path, leaf) for p in self.predicates)
 
 
 class Not(Filter):
-  """Matches a leaf that ``filter`` does not match."""
+  """Matches a leaf that ``filter_like`` does not match.
 
-  def __init__(self, filter_like, /):
+  Args:
+    filter_like: the filter to negate (anything :func:`to_predicate`
+      accepts).
+  """
+
+  def __init__(self, filter_like: FilterLike, /):
     self.predicate = to_predicate(filter_like)
 
   def __call__(self, path, leaf):
@@ -148,8 +164,14 @@ class Not(Filter):
 
 @dataclasses.dataclass(frozen=True, init=False)
 class Collection(Filter):
-  """Matches the leaves whose first path key is one of ``names``: the
-  collection, in a full ``{collection: ...}`` variables tree."""
+  """Matches the leaves whose first path key is one of ``names``.
+
+  In a full ``{collection: ...}`` variables tree, that key is the
+  collection.
+
+  Args:
+    *names: the collection names.
+  """
 
   names: frozenset
 
@@ -172,6 +194,12 @@ class Path(Filter):
   other pattern key is an ``fnmatch`` pattern for exactly one key (``*``,
   ``?``, ``[seq]``). ``'params/**/kernel'`` is every kernel of the params
   collection; ``'params/Dense_*'`` every sub-tree of a top-level Dense.
+
+  Attributes:
+    pattern: the glob.
+
+  Raises:
+    InvalidFilterError: ``pattern`` is not a non-empty string.
   """
 
   pattern: str
@@ -208,7 +236,11 @@ def _glob_prefix_match(pattern: tuple, keys: tuple) -> bool:
 class PathRegex(Filter):
   """Matches the leaves whose ``'/'``-joined path ``re.fullmatch``-es
   ``regex`` (a string or compiled pattern). Unlike :class:`Path` it sees the
-  leaf's full path only: ``'params/encoder/.*'`` for a sub-tree."""
+  leaf's full path only: ``'params/encoder/.*'`` for a sub-tree.
+
+  Attributes:
+    regex: the regular expression, a string or compiled pattern.
+  """
 
   regex: AnyType
 
@@ -222,8 +254,13 @@ class PathRegex(Filter):
 
 @dataclasses.dataclass(frozen=True)
 class PathContains(Filter):
-  """Matches the leaves with ``key`` among their path keys (NNX's
-  ``PathContains``); with ``exact=False``, with a key containing it."""
+  """Matches the leaves with ``key`` among their path keys (NNX's ``PathContains``).
+
+  Attributes:
+    key: the key to look for.
+    exact: match whole keys; False matches keys whose text contains
+      ``key``'s.
+  """
 
   key: AnyType
   exact: bool = True
@@ -236,7 +273,11 @@ class PathContains(Filter):
 
 @dataclasses.dataclass(frozen=True)
 class OfType(Filter):
-  """Matches the leaves that are instances of ``type`` (NNX's ``OfType``)."""
+  """Matches the leaves that are instances of ``type`` (NNX's ``OfType``).
+
+  Attributes:
+    type: the leaf type, e.g. ``nn.Partitioned``.
+  """
 
   type: type
 
@@ -255,9 +296,17 @@ class InModule(Filter):
   the variable name and minus a leading collection key, so the filter works
   on full variables trees and on params trees alike (a first key that names
   a top-level submodule is taken as that submodule).
+
+  Args:
+    *types: Module classes; subclasses match too.
+    modules: a bound module or a ``{module_path: type}`` mapping (None:
+      resolve later).
+
+  Raises:
+    InvalidFilterError: no types, or one that is not a class.
   """
 
-  def __init__(self, *types: type, modules=None):
+  def __init__(self, *types: type, modules: AnyType = None):
     if not types or not all(isinstance(t, type) for t in types):
       raise errors.InvalidFilterError(types)
     self.types = types
@@ -316,9 +365,16 @@ def _resolve(pred, modules):
   return pred.resolve(modules) if isinstance(pred, Filter) else pred
 
 
-def resolve(filter_like, modules) -> Predicate:
-  """``filter_like`` as a predicate, its :class:`InModule` parts bound to
-  ``modules`` (a bound module or a ``{module_path: type}`` mapping)."""
+def resolve(filter_like: FilterLike, modules: AnyType) -> Predicate:
+  """``filter_like`` as a predicate, its :class:`InModule` parts bound.
+
+  Args:
+    filter_like: anything :func:`to_predicate` accepts.
+    modules: a bound module or a ``{module_path: type}`` mapping.
+
+  Returns:
+    The predicate ``(path, leaf) -> bool``.
+  """
   return _resolve(to_predicate(filter_like), modules)
 
 
@@ -334,8 +390,20 @@ def needs_modules(filter_like) -> bool:
   return False
 
 
-def to_predicate(filter_like) -> Predicate:
-  """The predicate for anything usable as a filter (see the module doc)."""
+def to_predicate(filter_like: FilterLike) -> Predicate:
+  """The predicate for anything usable as a filter (see the module doc).
+
+  Args:
+    filter_like: a Filter, a path glob, a compiled regex, a type,
+      True/False/None/``...``, a list or tuple of those, or a callable
+      ``(path, leaf) -> bool``.
+
+  Returns:
+    The predicate ``(path, leaf) -> bool``.
+
+  Raises:
+    InvalidFilterError: ``filter_like`` is none of those.
+  """
   if isinstance(filter_like, Filter):
     return filter_like
   if isinstance(filter_like, str):

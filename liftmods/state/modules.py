@@ -20,24 +20,40 @@ module that runs.
 >>> {'/'.join(p): t.__name__ for p, t in types.items()}
 {'': 'Net', 'LayerNorm_0': 'LayerNorm', 'head': 'Dense'}
 """
+from collections.abc import Callable, Mapping
+from typing import Any
+
 import jax
 
 from liftmods.module import Module, record_calls
 from liftmods.state import errors, filters
-from liftmods.state.filters import needs_modules, resolve
+from liftmods.state.filters import FilterLike, needs_modules, resolve
 from liftmods.state.tree import iter_leaves, select
 
 
-def module_types(module: Module, *args, method=None, rngs=None,
-                 **kwargs) -> dict:
+def module_types(module: Module, *args: Any,
+                 method: Callable[..., Any] | str | None = None,
+                 rngs: Any = None, **kwargs: Any) -> dict:
   """``{module_path: type}`` for a bound ``module`` and its submodules.
 
   Without ``args``/``kwargs`` the submodules the bound module already has
-  are walked (``setup`` runs if it has not). With them, ``method`` (default
-  ``__call__``) is traced once on an unbound copy of the module
-  (``jax.eval_shape``, every collection mutable, ``rngs`` passed to
-  ``apply``) and the modules that run are recorded too; use this for
+  are walked (``setup`` runs if it has not). With them, ``method`` is also
+  traced once on an unbound copy of the module (``jax.eval_shape``, every
+  collection mutable) and the modules that run are recorded; use this for
   ``@compact`` models that were never called.
+
+  Args:
+    module: a bound module (``model.bind(variables)``).
+    *args: arguments of ``method`` for the traced run.
+    method: the method to trace (default ``__call__``).
+    rngs: rngs passed to ``apply`` for the traced run.
+    **kwargs: keyword arguments of ``method``.
+
+  Returns:
+    ``{path tuple: Module class}``; the root's path is ``()``.
+
+  Raises:
+    StateError: ``module`` is not a bound module.
   """
   _require_bound('module_types', module)
   found = {}
@@ -92,14 +108,30 @@ def check_known(modules: dict, tree_paths) -> None:
       raise errors.UnknownModuleError(mpath[:known + 1], path)
 
 
-def state_of(module: Module, *filters, modules=None):
+def state_of(module: Module, *filters: FilterLike,
+             modules: Mapping[tuple, type] | None = None) -> Mapping | tuple:
   """The variables of a bound ``module``, picked by ``filters``.
 
-  Like NNX's ``nnx.state``: with no filter the whole ``{collection: ...}``
-  tree, with one filter the tree of its leaves, with several a tuple (first
-  match wins); leaves no filter matches are left out. Module-type filters
-  (``nn.Dense``, :class:`InModule`) are resolved through ``module``, or
-  through ``modules`` (a :func:`module_types` mapping) when given.
+  Like NNX's ``nnx.state``. Module-type filters (``nn.Dense``,
+  :class:`InModule`) are resolved through ``module``, or through
+  ``modules`` when given.
+
+  Args:
+    module: a bound module (``model.bind(variables)``).
+    *filters: anything :func:`to_predicate` accepts.
+    modules: a :func:`module_types` mapping to resolve module-type filters
+      with.
+
+  Returns:
+    With no filter the whole ``{collection: ...}`` tree, with one filter the
+    tree of its leaves, with several a tuple (first match wins); leaves no
+    filter matches are left out.
+
+  Raises:
+    StateError: ``module`` is not a bound module.
+    UnknownModuleError: a module-type filter meets a ``@compact`` module
+      that was never called (pass ``modules`` from a traced
+      :func:`module_types`).
 
   >>> import jax, jax.numpy as jnp
   >>> import liftmods as nn

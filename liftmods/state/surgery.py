@@ -26,7 +26,8 @@ unused (0):
 Array([1., 1., 1.], dtype=float32)
 """
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -36,8 +37,21 @@ from liftmods.state.errors import show
 from liftmods.state.tree import check_tree, iter_leaves, unflatten
 
 
-def to_path(path) -> tuple:
-  """``'a/b'`` -> ``('a', 'b')``; tuples and lists pass through as tuples."""
+PathLike = str | Sequence[Any]  # 'a/b' or ('a', 'b')
+
+
+def to_path(path: PathLike) -> tuple:
+  """A path as a tuple of keys: ``'a/b'`` -> ``('a', 'b')``.
+
+  Args:
+    path: a ``'/'``-joined string, or a tuple or list of keys.
+
+  Returns:
+    The tuple of keys.
+
+  Raises:
+    StateError: ``path`` is neither.
+  """
   if isinstance(path, str):
     return tuple(k for k in path.split('/') if k)
   if isinstance(path, (tuple, list)):
@@ -58,8 +72,19 @@ def _subtree_items(fn: str, flat: dict, prefix: tuple, where: str) -> dict:
   return found
 
 
-def get(tree: Mapping, path):
-  """The leaf or sub-tree of ``tree`` at ``path``."""
+def get(tree: Mapping, path: PathLike) -> Any:
+  """The leaf or sub-tree of ``tree`` at ``path``.
+
+  Args:
+    tree: a variable tree.
+    path: ``'params/Dense_0'`` or a tuple of keys.
+
+  Returns:
+    The leaf or sub-tree.
+
+  Raises:
+    UnknownPathError: ``tree`` has nothing at ``path``.
+  """
   check_tree('get', tree)
   node = tree
   for i, key in enumerate(to_path(path)):
@@ -71,8 +96,19 @@ def get(tree: Mapping, path):
 
 
 
-def drop(tree: Mapping, *paths):
-  """``tree`` without the leaves and sub-trees at ``paths``."""
+def drop(tree: Mapping, *paths: PathLike) -> Mapping:
+  """``tree`` without the leaves and sub-trees at ``paths``.
+
+  Args:
+    tree: a variable tree.
+    *paths: the paths to remove.
+
+  Returns:
+    The new tree.
+
+  Raises:
+    UnknownPathError: a path is not in ``tree``.
+  """
   check_tree('drop', tree)
   flat = dict(iter_leaves(tree))
   for path in map(to_path, paths):
@@ -82,12 +118,23 @@ def drop(tree: Mapping, *paths):
   return unflatten(flat, like=tree)
 
 
-def rename(tree: Mapping, mapping: Mapping):
-  """``tree`` with each sub-tree (or leaf) moved from ``src`` to ``dst`` for
-  every ``{src: dst}`` of ``mapping``. All moves happen at once, so swaps
-  and shifts (``{'Dense_1': 'Dense_2', 'Dense_2': 'Dense_3'}``) work; a
-  destination that something not moved already occupies is a
-  :class:`PathExistsError`."""
+def rename(tree: Mapping, mapping: Mapping[PathLike, PathLike]) -> Mapping:
+  """Moves sub-trees (or leaves) of ``tree`` to new paths.
+
+  All moves happen at once, so swaps and shifts (``{'Dense_1': 'Dense_2',
+  'Dense_2': 'Dense_3'}``) work.
+
+  Args:
+    tree: a variable tree.
+    mapping: ``{src_path: dst_path}``.
+
+  Returns:
+    The new tree.
+
+  Raises:
+    UnknownPathError: a source path is not in ``tree``.
+    PathExistsError: a destination is occupied by something not moved.
+  """
   check_tree('rename', tree)
   flat = dict(iter_leaves(tree))
   moved = []
@@ -122,14 +169,29 @@ def _check_same(src_path, src_leaf, dst_path, dst_leaf):
                                  show(dst_path), d_shape, d_dtype)
 
 
-def graft(dst: Mapping, src: Mapping, mapping: Mapping | None = None):
-  """``dst`` with the sub-trees of ``src`` copied in, ``{src_path: dst_path}``
-  (default ``{'': ''}``: the whole tree).
+def graft(dst: Mapping, src: Mapping,
+          mapping: Mapping[PathLike, PathLike] | None = None) -> Mapping:
+  """``dst`` with sub-trees of ``src`` copied in.
 
-  Each source sub-tree must have exactly the leaves of its destination
-  (:class:`GraftStructureError` names what is missing on either side), with
-  the same shapes and dtypes (:class:`GraftShapeError` names both paths and
-  both shapes). For a lenient, reporting version use :func:`load`.
+  Each source sub-tree must have exactly the leaves of its destination,
+  with the same shapes and dtypes. For a lenient, reporting version use
+  :func:`load`.
+
+  Args:
+    dst: the tree to copy into.
+    src: the tree to copy from.
+    mapping: ``{src_path: dst_path}`` (default ``{'': ''}``: the whole
+      tree).
+
+  Returns:
+    The new tree.
+
+  Raises:
+    UnknownPathError: a path of ``mapping`` is missing from its tree.
+    GraftStructureError: the leaves differ (names what is missing on
+      either side).
+    GraftShapeError: a shape or dtype differs (names both paths and both
+      shapes).
   """
   check_tree('graft', dst)
   check_tree('graft', src)
@@ -158,9 +220,11 @@ def graft(dst: Mapping, src: Mapping, mapping: Mapping | None = None):
 class LoadReport:
   """What :func:`load` did, as ``'/'``-joined paths of the new tree.
 
-  ``loaded`` leaves took their value from the old tree (``sources`` maps
-  those that were renamed to their old path), ``new`` leaves kept the value
-  they had in the new tree, ``unused`` are old-tree paths nothing took.
+  Attributes:
+    loaded: the leaves that took their value from the old tree.
+    new: the leaves that kept the value they had in the new tree.
+    unused: the old-tree paths nothing took.
+    sources: ``{new path: old path}`` of the loaded leaves that moved.
   """
 
   loaded: tuple
@@ -178,15 +242,28 @@ class LoadReport:
                       line('unused', self.unused)])
 
 
-def load(new: Mapping, old: Mapping, mapping: Mapping | None = None):
-  """Loads ``old`` into ``new`` where they agree; returns ``(tree, report)``.
+def load(new: Mapping, old: Mapping,
+         mapping: Mapping[PathLike, PathLike] | None = None
+         ) -> tuple[Mapping, LoadReport]:
+  """Loads ``old`` into ``new`` where they agree.
 
-  ``mapping`` (``{old_path: new_path}``) says where sub-trees of ``old`` go;
-  every other old leaf goes to its own path, unless a mapping already sends
-  something there. An old leaf whose destination is a leaf of ``new``
-  replaces it, after a shape and dtype check (:class:`GraftShapeError`
-  names the old and the new path and both shapes); the rest of ``new`` is
-  left as it is. ``report`` is a :class:`LoadReport`.
+  Every old leaf goes to its own path unless ``mapping`` sends it (or
+  something else) elsewhere. An old leaf whose destination is a leaf of
+  ``new`` replaces it, after a shape and dtype check; the rest of ``new``
+  is left as it is.
+
+  Args:
+    new: the tree to load into (e.g. a fresh ``init``).
+    old: the tree to load from (e.g. a checkpoint).
+    mapping: ``{old_path: new_path}`` for sub-trees of ``old`` that moved.
+
+  Returns:
+    ``(tree, report)``, with a :class:`LoadReport`.
+
+  Raises:
+    UnknownPathError: a path of ``mapping`` is not in ``old``.
+    GraftShapeError: a shape or dtype differs (names both paths and both
+      shapes).
   """
   check_tree('load', new)
   check_tree('load', old)

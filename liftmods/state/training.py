@@ -26,14 +26,21 @@ from typing import Callable
 import jax
 
 from liftmods.state import errors
-from liftmods.state.filters import to_predicate, to_predicates
+from liftmods.state.filters import FilterLike, to_predicate, to_predicates
 from liftmods.state.tree import (check_tree, iter_leaves, merge, split,
                                  unflatten)
 
 
-def mask(tree: Mapping, *filters):
-  """A tree like ``tree`` with ``True`` at the leaves any filter matches and
-  ``False`` elsewhere: the ``mask`` of ``optax.masked``.
+def mask(tree: Mapping, *filters: FilterLike) -> Mapping:
+  """The ``mask`` of ``optax.masked``: True at the leaves any filter matches.
+
+  Args:
+    tree: a variable tree.
+    *filters: anything :func:`to_predicate` accepts.
+
+  Returns:
+    A tree like ``tree`` with ``True`` at the matched leaves and ``False``
+    elsewhere.
 
   >>> from liftmods import state
   >>> state.mask({'enc': {'w': 1}, 'head': {'w': 2}}, 'head')
@@ -45,13 +52,20 @@ def mask(tree: Mapping, *filters):
   return unflatten(items, like=tree)
 
 
-def labels(tree: Mapping, spec: Mapping):
-  """A tree like ``tree`` with, at each leaf, the first label of ``spec``
-  (``{label: filter}``, in order) whose filter matches it: the
-  ``param_labels`` of ``optax.multi_transform``.
+def labels(tree: Mapping, spec: Mapping[str, FilterLike]) -> Mapping:
+  """The ``param_labels`` of ``optax.multi_transform``, from filters.
 
-  As in :func:`split`, a leaf no filter matches is an
-  :class:`UnmatchedLeafError`; end ``spec`` with a ``...`` filter.
+  Args:
+    tree: a variable tree.
+    spec: ``{label: filter}``; the first (in order) whose filter matches a
+      leaf labels it. End it with a ``...`` filter to label the rest.
+
+  Returns:
+    A tree like ``tree`` with a label at each leaf.
+
+  Raises:
+    StateError: ``spec`` is not a non-empty mapping.
+    UnmatchedLeafError: a leaf matches no filter.
   """
   check_tree('labels', tree)
   if not isinstance(spec, Mapping) or not spec:
@@ -70,16 +84,25 @@ def labels(tree: Mapping, spec: Mapping):
   return unflatten(items, like=tree)
 
 
-def value_and_grad(fn: Callable, wrt, *, argnums: int = 0,
+def value_and_grad(fn: Callable, wrt: FilterLike, *, argnums: int = 0,
                    has_aux: bool = False) -> Callable:
-  """``jax.value_and_grad`` of ``fn`` with respect to the leaves of its
-  ``argnums`` argument (a variable tree) that ``wrt`` matches.
+  """``jax.value_and_grad`` of ``fn`` with respect to part of a variable tree.
 
-  The returned function takes the same arguments as ``fn`` and returns
-  ``(value, grads)`` (``((value, aux), grads)`` with ``has_aux``), where
-  ``grads`` holds only the selected leaves: split the tree, differentiate
-  with respect to the selected part, and merge it back with the rest inside.
-  No gradient is computed for the other leaves.
+  The tree is split, differentiated with respect to the selected part, and
+  merged back with the rest inside; no gradient is computed for the other
+  leaves.
+
+  Args:
+    fn: the function; its ``argnums`` argument is a variable tree.
+    wrt: the filter of the leaves to differentiate with respect to.
+    argnums: the position of the tree among ``fn``'s arguments.
+    has_aux: ``fn`` returns ``(value, aux)``.
+
+  Returns:
+    A function of ``fn``'s arguments returning ``(value, grads)``
+    (``((value, aux), grads)`` with ``has_aux``), ``grads`` holding only
+    the selected leaves. It raises ``StateError`` when given fewer than
+    ``argnums + 1`` positional arguments.
 
   >>> import jax.numpy as jnp
   >>> from liftmods import state
@@ -106,10 +129,19 @@ def value_and_grad(fn: Callable, wrt, *, argnums: int = 0,
   return wrapped
 
 
-def grad(fn: Callable, wrt, *, argnums: int = 0,
+def grad(fn: Callable, wrt: FilterLike, *, argnums: int = 0,
          has_aux: bool = False) -> Callable:
-  """Like :func:`value_and_grad` but returns only the gradients (and
-  ``aux`` with ``has_aux``: ``(grads, aux)``)."""
+  """Like :func:`value_and_grad`, but the function returns only gradients.
+
+  Args:
+    fn: the function; its ``argnums`` argument is a variable tree.
+    wrt: the filter of the leaves to differentiate with respect to.
+    argnums: the position of the tree among ``fn``'s arguments.
+    has_aux: ``fn`` returns ``(value, aux)``.
+
+  Returns:
+    A function returning ``grads`` (``(grads, aux)`` with ``has_aux``).
+  """
   vg = value_and_grad(fn, wrt, argnums=argnums, has_aux=has_aux)
 
   def wrapped(*args, **kwargs):

@@ -24,11 +24,12 @@ empty sub-mappings (``init`` never makes any).
 >>> state.merge(head, rest) == v
 True
 """
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 from liftmods.core.frozen_dict import FrozenDict
 from liftmods.state import errors
-from liftmods.state.filters import to_predicates
+from liftmods.state.filters import FilterLike, to_predicates
 
 _MISSING = object()
 
@@ -40,9 +41,19 @@ def check_tree(fn: str, tree) -> None:
     raise errors.NotATreeError(fn, tree)
 
 
-def iter_leaves(tree: Mapping, prefix: tuple = ()):
-  """Yields ``(path, leaf)`` depth first in key order; ``path`` is a tuple of
-  keys. Every mapping is descended into; everything else is a leaf."""
+def iter_leaves(tree: Mapping,
+                prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+  """The leaves of ``tree`` with their paths, depth first in key order.
+
+  Every mapping is descended into; everything else is a leaf.
+
+  Args:
+    tree: a variable tree.
+    prefix: keys put in front of every path.
+
+  Yields:
+    ``(path, leaf)``, ``path`` a tuple of keys.
+  """
   for key, value in tree.items():
     path = prefix + (key,)
     if isinstance(value, Mapping):
@@ -54,6 +65,15 @@ def iter_leaves(tree: Mapping, prefix: tuple = ()):
 def flatten(tree: Mapping) -> dict:
   """``{path_tuple: leaf}`` for every leaf of ``tree``.
 
+  Args:
+    tree: a variable tree.
+
+  Returns:
+    The flat dict, in depth-first key order.
+
+  Raises:
+    NotATreeError: ``tree`` is not a mapping.
+
   >>> from liftmods import state
   >>> state.flatten({'params': {'w': 1, 'sub': {'b': 2}}})
   {('params', 'w'): 1, ('params', 'sub', 'b'): 2}
@@ -63,7 +83,17 @@ def flatten(tree: Mapping) -> dict:
 
 
 def paths(tree: Mapping) -> list:
-  """The ``'/'``-joined paths of the leaves of ``tree``, in order."""
+  """The ``'/'``-joined paths of the leaves of ``tree``, in order.
+
+  Args:
+    tree: a variable tree.
+
+  Returns:
+    The paths, e.g. ``['params/Dense_0/kernel', ...]``.
+
+  Raises:
+    NotATreeError: ``tree`` is not a mapping.
+  """
   check_tree('paths', tree)
   return [errors.show(p) for p, _ in iter_leaves(tree)]
 
@@ -78,9 +108,21 @@ def _kinds(tree: Mapping, kinds: dict, prefix: tuple = ()) -> dict:
   return kinds
 
 
-def unflatten(flat, like: Mapping | None = None):
-  """The nested tree of ``flat`` (``{path_tuple: leaf}`` or pairs). Nodes take
-  the container kind of the same node in ``like`` (dict by default)."""
+def unflatten(flat: Mapping[tuple, Any] | Iterable[tuple[tuple, Any]],
+              like: Mapping | None = None) -> Mapping:
+  """The nested tree of a flat ``{path_tuple: leaf}``.
+
+  Args:
+    flat: ``{path_tuple: leaf}``, or ``(path_tuple, leaf)`` pairs.
+    like: a tree whose nodes give the container kind (FrozenDict or dict)
+      of the same nodes of the result (default: dicts).
+
+  Returns:
+    The nested tree.
+
+  Raises:
+    MergeConflictError: two paths collide (one is a prefix of the other).
+  """
   kinds = _kinds(like, {}) if like is not None else {}
   items = flat.items() if isinstance(flat, Mapping) else flat
   return _build(((p, x, 0) for p, x in items), kinds)
@@ -145,12 +187,23 @@ def _partition(fn: str, tree: Mapping, filters, drop_rest: bool):
   return out[0] if len(out) == 1 else out
 
 
-def split(tree: Mapping, *filters):
+def split(tree: Mapping, *filters: FilterLike) -> Mapping | tuple:
   """One tree per filter: each leaf goes to the first filter that matches it.
 
-  A leaf that no filter matches is an error (:class:`UnmatchedLeafError`);
-  end with ``...`` to collect the rest. With one filter the tree itself is
-  returned, with several a tuple, as NNX's ``split`` does; with none, a copy.
+  End with ``...`` to collect the rest.
+
+  Args:
+    tree: a variable tree.
+    *filters: anything :func:`to_predicate` accepts; a catch-all may only
+      be followed by catch-alls.
+
+  Returns:
+    With one filter the tree itself, with several a tuple of trees, as
+    NNX's ``split`` does; with none, a copy.
+
+  Raises:
+    UnmatchedLeafError: a leaf matches no filter.
+    FilterOrderError: a catch-all comes before another filter.
 
   >>> import jax.numpy as jnp
   >>> from liftmods import state
@@ -162,18 +215,36 @@ def split(tree: Mapping, *filters):
   return _partition('split', tree, filters, drop_rest=False)
 
 
-def select(tree: Mapping, *filters):
-  """Like :func:`split`, but leaves that no filter matches are dropped (NNX's
-  ``filter_state``)."""
+def select(tree: Mapping, *filters: FilterLike) -> Mapping | tuple:
+  """Like :func:`split`, but leaves that no filter matches are dropped.
+
+  NNX's ``filter_state``.
+
+  Args:
+    tree: a variable tree.
+    *filters: anything :func:`to_predicate` accepts.
+
+  Returns:
+    One tree (one filter) or a tuple of trees.
+  """
   return _partition('select', tree, filters, drop_rest=True)
 
 
-def merge(*trees):
+def merge(*trees: Mapping) -> Mapping:
   """The union of disjoint trees: the inverse of :func:`split`.
 
-  A path defined by two trees (the same leaf, or a leaf where another tree
-  has a sub-tree) is a :class:`MergeConflictError`; to overwrite, use
-  :func:`update`. The result has the root container kind of the first tree.
+  To overwrite leaves, use :func:`update`.
+
+  Args:
+    *trees: variable trees with no path in common.
+
+  Returns:
+    The merged tree, with the root container kind of the first tree.
+
+  Raises:
+    StateError: no tree is given.
+    MergeConflictError: two trees define one path (the same leaf, or a leaf
+      where another has a sub-tree).
   """
   if not trees:
     raise errors.StateError('merge() needs at least one tree.')
@@ -185,12 +256,20 @@ def merge(*trees):
   return _build(items, kinds)
 
 
-def update(tree: Mapping, *partials):
+def update(tree: Mapping, *partials: Mapping) -> Mapping:
   """``tree`` with the leaves of each partial tree put in place of its own.
 
-  Every leaf of a partial must replace a leaf of ``tree`` (same path); a new
-  path is an :class:`UnknownPathError` (use :func:`merge` to add leaves).
-  Later partials win over earlier ones.
+  Later partials win over earlier ones; use :func:`merge` to add leaves.
+
+  Args:
+    tree: a variable tree.
+    *partials: trees whose every leaf replaces a leaf of ``tree``.
+
+  Returns:
+    The updated tree.
+
+  Raises:
+    UnknownPathError: a partial has a path ``tree`` lacks.
   """
   check_tree('update', tree)
   flat = dict(iter_leaves(tree))
