@@ -5,6 +5,7 @@ with the arguments; gradients for them come back shaped like the scope
 tree.
 """
 import functools
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import jax
@@ -23,14 +24,29 @@ def _scope_treedef(scope):
       scope, is_leaf=lambda x: isinstance(x, Scope))
 
 
-def vjp(fn: Callable[..., Any], scope, *primals, has_aux: bool = False,
-        reduce_axes=(), vjp_variables='params', variables=True, rngs=True):
-  """``jax.vjp`` of ``fn(scope, *primals)`` with respect to the primals and
-  the ``vjp_variables`` collections.
+def vjp(fn: Callable[..., Any], scope: Any, *primals: Any,
+        has_aux: bool = False, reduce_axes: Sequence[str] = (),
+        vjp_variables: Any = 'params', variables: Any = True,
+        rngs: Any = True) -> tuple[Any, ...]:
+  """``jax.vjp`` of ``fn(scope, *primals)``, also with respect to variables.
 
-  Returns ``(y, vjp_fn)`` (``(y, vjp_fn, aux)`` with ``has_aux``);
-  ``vjp_fn(cotangent)`` returns ``(variable_grads, *primal_grads)`` where
-  ``variable_grads`` has the structure of ``scope``.
+  Args:
+    fn: ``fn(scope, *primals)``.
+    scope: the scope (or scopes) ``fn`` runs on.
+    *primals: the arguments to differentiate with respect to.
+    has_aux: ``fn`` returns ``(y, aux)``.
+    reduce_axes: not supported; must be empty.
+    vjp_variables: the collections to differentiate with respect to.
+    variables: the other collections ``fn`` sees.
+    rngs: the rng sequences ``fn`` sees.
+
+  Returns:
+    ``(y, vjp_fn)`` (``(y, vjp_fn, aux)`` with ``has_aux``);
+    ``vjp_fn(cotangent)`` returns ``(variable_grads, *primal_grads)`` where
+    ``variable_grads`` has the structure of ``scope``.
+
+  Raises:
+    NotImplementedError: ``reduce_axes`` is given.
   """
   if reduce_axes:
     raise NotImplementedError('vjp: reduce_axes is no longer supported.')
@@ -88,11 +104,24 @@ def value_and_grad(fn: Callable[..., Any], scope, *primals,
               name='value_and_grad')(scope, *primals)
 
 
-def jvp(fn: Callable[..., Any], scope, primals, tangents, variable_tangents,
-        variables=True, rngs=True):
-  """``jax.jvp`` of ``fn(scope, *primals)``; ``variable_tangents`` gives
-  ``{collection: tangents}`` per scope (collections left out have zero
-  tangent). Returns ``(y, y_tangent)``."""
+def jvp(fn: Callable[..., Any], scope: Any, primals: Sequence[Any],
+        tangents: Sequence[Any], variable_tangents: Any,
+        variables: Any = True, rngs: Any = True) -> tuple[Any, Any]:
+  """``jax.jvp`` of ``fn(scope, *primals)``, with tangents for variables too.
+
+  Args:
+    fn: ``fn(scope, *primals)``.
+    scope: the scope (or scopes) ``fn`` runs on.
+    primals: the arguments, a tuple.
+    tangents: their tangents.
+    variable_tangents: ``{collection: tangents}`` per scope (collections
+      left out have zero tangent).
+    variables: the collections ``fn`` sees.
+    rngs: the rng sequences ``fn`` sees.
+
+  Returns:
+    ``(y, y_tangent)``.
+  """
   treedef = _scope_treedef(scope)
   variable_tangents = tuple(
       {col: t for col, t in per_scope.items() if t}
@@ -117,15 +146,22 @@ def jvp(fn: Callable[..., Any], scope, primals, tangents, variable_tangents,
 
 
 def custom_vjp(fn: Callable[..., Any], forward_fn: Callable[..., Any],
-               backward_fn: Callable[..., Any], grad_vars='params',
-               nondiff_argnums=()):
+               backward_fn: Callable[..., Any], grad_vars: Any = 'params',
+               nondiff_argnums: Sequence[int] = ()) -> Callable[..., Any]:
   """``jax.custom_vjp`` for scope functions.
 
-  ``forward_fn(scope, *args) -> (y, residuals)`` runs when a gradient is
-  taken; ``backward_fn(*nondiff_args, residuals, y_cotangent)`` returns
-  ``(variable_cotangents, *arg_cotangents)``, the first shaped like the
-  ``grad_vars`` collections of the scope(s). ``nondiff_argnums`` count the
-  scope as 0.
+  Args:
+    fn: ``fn(scope, *args) -> y``, the primal computation.
+    forward_fn: ``forward_fn(scope, *args) -> (y, residuals)``, run when a
+      gradient is taken.
+    backward_fn: ``backward_fn(*nondiff_args, residuals, y_cotangent)``
+      returning ``(variable_cotangents, *arg_cotangents)``, the first shaped
+      like the ``grad_vars`` collections of the scope(s).
+    grad_vars: the collections that get cotangents.
+    nondiff_argnums: arguments that are not differentiated (the scope is 0).
+
+  Returns:
+    ``f(scope, *args)`` with the custom gradient.
   """
 
   def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args):

@@ -136,18 +136,28 @@ def swap_collection(fn: Callable[..., Any], col_a: str, col_b: str):
 
 
 def vmap(fn: Callable[..., Any], variable_axes: Mapping, split_rngs: Mapping,
-         in_axes=0, out_axes=0, axis_size: int | None = None,
+         in_axes: Any = 0, out_axes: Any = 0, axis_size: int | None = None,
          axis_name: str | None = None, spmd_axis_name: str | None = None,
-         metadata_params: dict = {}):  # pylint: disable=dangerous-default-value
+         metadata_params: dict = {}  # pylint: disable=dangerous-default-value
+         ) -> Callable[..., Any]:
   """``jax.vmap`` for scope functions.
 
-  ``variable_axes`` maps collection filters to the axis their variables are
-  stacked on (``None``: shared by all batch elements). ``split_rngs`` maps
-  rng filters to whether each batch element gets its own key (only the
-  sequences listed are available inside). ``in_axes``/``out_axes``/
-  ``axis_size``/``axis_name``/``spmd_axis_name`` are as in ``jax.vmap``.
-  Boxed variables (``meta.AxisMetadata``) are told about the added axis via
-  ``metadata_params``.
+  Args:
+    fn: ``fn(scope, *args)``.
+    variable_axes: ``{collection filter: axis}``; the axis the variables
+      are stacked on (None: shared by all batch elements).
+    split_rngs: ``{rng filter: bool}``: whether each batch element gets its
+      own key (only the sequences listed are available inside).
+    in_axes: as in ``jax.vmap``.
+    out_axes: as in ``jax.vmap``.
+    axis_size: as in ``jax.vmap``.
+    axis_name: as in ``jax.vmap``.
+    spmd_axis_name: as in ``jax.vmap``.
+    metadata_params: passed to boxed variables (``meta.AxisMetadata``)
+      when the axis is added or removed.
+
+  Returns:
+    The vectorized ``f(scope, *args)``.
   """
   var_in, var_out = split_in_out_axes(variable_axes)
   in_filters, var_in_axes = unzip2(var_in.items())
@@ -208,24 +218,45 @@ def vmap(fn: Callable[..., Any], variable_axes: Mapping, split_rngs: Mapping,
 
 
 def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable=dangerous-default-value
-         variable_broadcast=False, variable_carry=False,
+         variable_broadcast: Any = False, variable_carry: Any = False,
          split_rngs: Mapping = {},  # pylint: disable=dangerous-default-value
-         in_axes=0, out_axes=0, length: int | None = None,
+         in_axes: Any = 0, out_axes: Any = 0, length: int | None = None,
          reverse: bool = False, unroll: int = 1,
          _split_transpose: bool = False,
          data_transform: Callable[..., Any] | None = None,
          metadata_params: dict = {},  # pylint: disable=dangerous-default-value
-         check_constancy_invariants: bool = True):
-  """``jax.lax.scan`` for scope functions ``fn(scope, carry, *xs) -> (carry,
-  ys)``; returns ``f(scope, carry, *xs) -> (carry, ys)``.
+         check_constancy_invariants: bool = True) -> Callable[..., Any]:
+  """``jax.lax.scan`` for scope functions ``fn(scope, carry, *xs) -> (carry, ys)``.
 
-  Collections in ``variable_axes`` get one slice per iteration (stacked on
-  the given axis), ``variable_carry`` collections are threaded through the
-  iterations, ``variable_broadcast`` collections are the same for all
-  iterations and are created by one run of the body outside the loop, so
-  they must not depend on the carry or the scanned inputs. ``split_rngs``
-  says which sequences get a different key per iteration. ``in_axes`` may
-  use ``broadcast`` for inputs passed whole to every iteration.
+  Args:
+    fn: the body, ``fn(scope, carry, *xs) -> (carry, ys)``.
+    variable_axes: ``{collection filter: axis}``; those collections get one
+      slice per iteration, stacked on the axis.
+    variable_broadcast: collections that are the same for all iterations;
+      one run of the body outside the loop creates them, so they must not
+      depend on the carry or the scanned inputs.
+    variable_carry: collections threaded through the iterations.
+    split_rngs: ``{rng filter: bool}``: which sequences get a different key
+      per iteration.
+    in_axes: the scanned axis of each input (``broadcast``: passed whole to
+      every iteration).
+    out_axes: the axis the ``ys`` are stacked on.
+    length: the number of iterations, when nothing is scanned.
+    reverse: iterate from the end.
+    unroll: iterations per loop step.
+    _split_transpose: accepted for Linen compatibility.
+    data_transform: ``(variable groups, rngs) -> (variable groups, rngs)``
+      applied to what each iteration sees.
+    metadata_params: passed to boxed variables when the axis is added or
+      removed.
+    check_constancy_invariants: trace the body once more to check that
+      broadcast variables stay constant.
+
+  Returns:
+    ``f(scope, carry, *xs) -> (carry, ys)``.
+
+  Raises:
+    TypeError: a variable axis is not an int.
   """
   var_in, var_out = split_in_out_axes(variable_axes)
   in_filters, var_in_axes = unzip2(var_in.items())
@@ -330,14 +361,27 @@ _NOT_FOUND = (errors.ScopeParamNotFoundError, errors.ScopeCollectionNotFound,
 
 
 def while_loop(cond_fn: Callable[..., Any], body_fn: Callable[..., Any],
-               scope, init, carry_variables=False, broadcast_variables=True,
-               split_rngs: Mapping = {}):  # pylint: disable=dangerous-default-value
-  """``jax.lax.while_loop`` over scopes: ``cond_fn(scope, c) -> bool``,
-  ``body_fn(scope, c) -> c``; returns the final carry.
+               scope: Any, init: Any, carry_variables: Any = False,
+               broadcast_variables: Any = True,
+               split_rngs: Mapping = {}  # pylint: disable=dangerous-default-value
+               ) -> Any:
+  """``jax.lax.while_loop`` over scopes.
 
-  ``carry_variables`` collections may be updated by the body (not created);
-  ``broadcast_variables`` are read-only. Variables cannot be initialised in
-  the loop: run the body once before the loop for that.
+  Variables cannot be initialised in the loop: run the body once before the
+  loop for that.
+
+  Args:
+    cond_fn: ``cond_fn(scope, carry) -> bool``.
+    body_fn: ``body_fn(scope, carry) -> carry``.
+    scope: the scope (or scopes) the functions run on.
+    init: the initial carry.
+    carry_variables: collections the body may update (not create).
+    broadcast_variables: read-only collections.
+    split_rngs: ``{rng filter: bool}``: which sequences get a new key per
+      iteration.
+
+  Returns:
+    The final carry.
   """
   rng_filters, rng_splits = unzip2(split_rngs.items())
   read_only = subtract(broadcast_variables, carry_variables)
@@ -524,13 +568,29 @@ def switch(index, branches: Sequence[Callable[..., Any]], scope, *operands,
 # -- remat ------------------------------------------------------------------------------
 
 
-def checkpoint(fn: Callable[..., Any], variables=True, rngs=True,
+def checkpoint(fn: Callable[..., Any], variables: Any = True,
+               rngs: Any = True,
                concrete: bool = False, prevent_cse: bool = True,
                static_argnums: int | tuple = (),
-               policy: Callable[..., bool] | None = None):
-  """``jax.checkpoint`` for scope functions: intermediates of ``fn`` are
-  recomputed in the backward pass instead of stored. ``static_argnums``
-  count the arguments after the scope from 0."""
+               policy: Callable[..., bool] | None = None) -> Callable[..., Any]:
+  """``jax.checkpoint`` for scope functions.
+
+  Intermediates of ``fn`` are recomputed in the backward pass instead of
+  stored. ``remat`` is the same function.
+
+  Args:
+    fn: ``fn(scope, *args)``.
+    variables: the collections ``fn`` sees.
+    rngs: the rng sequences ``fn`` sees.
+    concrete: not supported (True raises ``NotImplementedError`` when
+      called); use ``static_argnums``.
+    prevent_cse: as in ``jax.checkpoint``.
+    static_argnums: static arguments, counting those after the scope from 0.
+    policy: a ``jax.checkpoint_policies`` rule.
+
+  Returns:
+    The rematerialized ``f(scope, *args)``.
+  """
 
   def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args,
             **kwargs):
@@ -559,12 +619,27 @@ remat = checkpoint
 
 def remat_scan(body_fn: Callable[..., Any], lengths: Sequence[int],
                policy: Callable[..., bool] | None = None,
-               variable_broadcast=False, variable_carry=False,
+               variable_broadcast: Any = False, variable_carry: Any = False,
                variable_axes: Mapping = {True: 0},  # pylint: disable=dangerous-default-value
-               split_rngs: Mapping = {True: True}):  # pylint: disable=dangerous-default-value
-  """Repeats ``body_fn(scope, carry) -> carry`` ``prod(lengths)`` times as
-  nested scans, each level rematerialised, so memory grows like
-  ``n ** (1 / len(lengths))``. Variables get one leading axis per level."""
+               split_rngs: Mapping = {True: True}  # pylint: disable=dangerous-default-value
+               ) -> Callable[..., Any]:
+  """Repeats ``body_fn`` ``prod(lengths)`` times as nested rematerialized scans.
+
+  Memory grows like ``n ** (1 / len(lengths))``. Variables get one leading
+  axis per level.
+
+  Args:
+    body_fn: ``body_fn(scope, carry) -> carry``.
+    lengths: the loop lengths, outermost first.
+    policy: a ``jax.checkpoint_policies`` rule.
+    variable_broadcast: collections shared by every application.
+    variable_carry: collections threaded through the applications.
+    variable_axes: ``{collection filter: axis}`` of the stacked collections.
+    split_rngs: ``{rng filter: bool}``.
+
+  Returns:
+    ``f(scope, carry) -> carry``.
+  """
   level = functools.partial(scan, variable_broadcast=variable_broadcast,
                             variable_carry=variable_carry,
                             variable_axes=variable_axes,

@@ -37,11 +37,11 @@ class _JitEntry:
 JIT_CACHE_LIMIT = 128
 
 
-def jit(fn: Callable[..., Any], variables=True, rngs=True,
+def jit(fn: Callable[..., Any], variables: Any = True, rngs: Any = True,
         static_argnums: int | Iterable[int] = (),
         static_argnames: str | Iterable[str] = (),
-        donate_argnums: int | Iterable[int] = (), device=None,
-        backend: str | None = None):
+        donate_argnums: int | Iterable[int] = (), device: Any = None,
+        backend: str | None = None) -> Callable[..., Any]:
   """``jax.jit`` for scope functions.
 
   As in Flax, the result is called as ``f(scope, hash_key, *args)`` and runs
@@ -54,6 +54,19 @@ def jit(fn: Callable[..., Any], variables=True, rngs=True,
   tracing and advances the rng counters as the traced call did. Inside,
   rng sequences start from the bare keys (the scope names already folded
   into them lazily are dropped, as in Flax).
+
+  Args:
+    fn: ``fn(scope, hash_key, *args)``.
+    variables: the collections ``fn`` sees.
+    rngs: the rng sequences ``fn`` sees.
+    static_argnums: static arguments (the scope is 0).
+    static_argnames: static keyword arguments.
+    donate_argnums: arguments whose buffers may be reused (the scope is 0).
+    device: passed to ``jax.jit``.
+    backend: passed to ``jax.jit``.
+
+  Returns:
+    The compiled ``f(scope, hash_key, *args)``.
   """
   if not isinstance(static_argnums, Iterable):
     static_argnums = (static_argnums,)

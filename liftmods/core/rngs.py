@@ -48,11 +48,16 @@ def fold_static(key, suffix: tuple):
 
 
 class LazyKey:
-  """A root key with the static suffix still to be folded into it."""
+  """A root key with the static suffix still to be folded into it.
+
+  Args:
+    key: the root PRNG key.
+    suffix: the names (and counters) still to be folded into ``key``.
+  """
 
   __slots__ = ('key', 'suffix')
 
-  def __init__(self, key, suffix: tuple = ()):
+  def __init__(self, key: jax.Array, suffix: tuple = ()):
     self.key = key
     self.suffix = suffix
 

@@ -39,12 +39,20 @@ from liftmods.core.frozen_dict import FrozenDict, freeze, unfreeze
 from liftmods.core.rngs import LazyKey, as_lazy
 from liftmods.traceback_util import api_boundary
 
+PRNGKey = jax.Array
+
 _EMPTY = FrozenDict()
 _CHILD = object()  # tags child-scope entries in rng_counters
 
 
 class Variable:
   """A reference to one variable of a scope; read and write via ``.value``.
+
+  Args:
+    scope: the scope holding the variable.
+    collection: its collection.
+    name: its name in the scope.
+    unbox: ``.value`` returns the value inside an axis-metadata box.
 
   >>> from liftmods.core import bind
   >>> scope = bind({'counts': {'n': 0}}, mutable=['counts'])
@@ -116,7 +124,20 @@ def _merge_put(target: dict, value: Mapping):
 
 
 class Scope:
-  """One position in the model: variables, rngs, names reserved there."""
+  """One position in the model: variables, rngs, names reserved there.
+
+  Made by ``bind``/``init``/``apply`` (roots) and ``Scope.push`` (children),
+  not usually by hand.
+
+  Args:
+    variables: ``{collection: {name: value}}`` of this position.
+    rngs: ``{sequence name: key}``.
+    name: the scope's name in its parent.
+    mutable: the filter of the collections that may be written.
+    parent: the parent scope (None for a root).
+    path: the names from the root to this scope.
+    flags: read-only settings shared by the tree (e.g. ``initializing``).
+  """
 
   __slots__ = ('_variables', 'parent', 'root', 'name', 'path', 'rngs',
                'rng_counters', 'mutable', 'reservations', 'flags', '_invalid',
@@ -588,9 +609,22 @@ def _copy_mutable(variables: Mapping, mutable) -> dict:
           for col, value in variables.items()}
 
 
-def bind(variables: Mapping, rngs=None, mutable=False,
-         flags: Mapping | None = None) -> Scope:
-  """A root Scope over ``variables`` for interactive use."""
+def bind(variables: Mapping, rngs: PRNGKey | Mapping[str, PRNGKey] | None = None,
+         mutable: Any = False, flags: Mapping | None = None) -> Scope:
+  """A root Scope over ``variables`` for interactive use.
+
+  Args:
+    variables: ``{collection: {...}}``.
+    rngs: a key (for ``'params'``) or ``{sequence name: key}``.
+    mutable: the filter of the collections that may be written.
+    flags: read-only settings for the scope tree.
+
+  Returns:
+    The root scope.
+
+  Raises:
+    InvalidRngError: ``rngs`` is not a key or a dict of keys.
+  """
   return _bind(variables, _normalize_rngs(rngs, 'bind'), mutable, flags)
 
 
@@ -600,11 +634,18 @@ def _bind(variables, lazy_rngs, mutable, flags):
                mutable=mutable, flags=flags)
 
 
-def apply(fn: Callable, mutable=False, flags: Mapping | None = None):
+def apply(fn: Callable, mutable: Any = False,
+          flags: Mapping | None = None) -> Callable[..., Any]:
   """Turns ``fn(scope, *args)`` into ``f(variables, *args, rngs=None)``.
 
-  Returns ``out``, or ``(out, mutated_collections)`` when ``mutable`` is not
-  False.
+  Args:
+    fn: a function taking the root scope first.
+    mutable: the filter of the collections ``fn`` may write.
+    flags: read-only settings for the scope tree.
+
+  Returns:
+    ``f``, which returns ``out``, or ``(out, mutated_collections)`` when
+    ``mutable`` is not False.
   """
 
   @api_boundary
@@ -633,9 +674,21 @@ def run(fn: Callable, variables, args, kwargs, rngs=None, mutable=False,
   return out
 
 
-def init(fn: Callable, mutable=True, flags: Mapping | None = None):
+def init(fn: Callable, mutable: Any = True,
+         flags: Mapping | None = None) -> Callable[..., tuple[Any, Any]]:
   """Turns ``fn(scope, *args)`` into ``f(rngs, *args) -> (out, variables)``.
-  ``rngs`` is a key (used for 'params') or ``{sequence_name: key}``."""
+
+  ``rngs`` is a key (used for ``'params'``) or ``{sequence_name: key}``.
+
+  Args:
+    fn: a function taking the root scope first.
+    mutable: the filter of the collections created.
+    flags: read-only settings for the scope tree (``initializing`` is
+      added).
+
+  Returns:
+    The initializing function.
+  """
 
   @api_boundary
   @functools.wraps(fn)
@@ -647,10 +700,20 @@ def init(fn: Callable, mutable=True, flags: Mapping | None = None):
   return wrapper
 
 
-def lazy_init(fn: Callable, mutable=True, flags: Mapping | None = None):
-  """Like ``init``, but returns only the variables and computes nothing it
-  does not need: inputs may be ``jax.ShapeDtypeStruct``s (see
+def lazy_init(fn: Callable, mutable: Any = True,
+              flags: Mapping | None = None) -> Callable[..., Any]:
+  """Like ``init``, but returns only the variables and computes nothing else.
+
+  Inputs may be ``jax.ShapeDtypeStruct``s (see
   ``liftmods.core.partial_eval``).
+
+  Args:
+    fn: a function taking the root scope first.
+    mutable: the filter of the collections created.
+    flags: read-only settings for the scope tree.
+
+  Returns:
+    ``f(rngs, *args) -> variables``.
 
   >>> import jax, jax.numpy as jnp
   >>> def dense(scope, x):

@@ -4,14 +4,19 @@
 >>> current_trace() == current_trace()
 True
 """
+from typing import Any
+
 import jax
 
 __all__ = ['current_trace', 'check_trace_level']
 
 
-def current_trace():
-  """An opaque token of the current JAX trace state (equal tokens: the
-  same trace level)."""
+def current_trace() -> Any:
+  """An opaque token of the current JAX trace state.
+
+  Returns:
+    The token; equal tokens mean the same trace level.
+  """
   from jax.extend import core as jex_core  # pylint: disable=g-import-not-at-top
   get_state = getattr(jex_core, 'get_opaque_trace_state', None)
   if get_state is None:  # older jax
@@ -19,6 +24,10 @@ def current_trace():
   return get_state(convention='flax')
 
 
-def check_trace_level(base_level):
-  """Accepts any level: Linen disabled this check, and so does liftmods."""
+def check_trace_level(base_level: Any) -> None:
+  """Accepts any level: Linen disabled this check, and so does liftmods.
+
+  Args:
+    base_level: a ``current_trace()`` token; ignored.
+  """
   del base_level
