@@ -267,7 +267,7 @@ def make_causal_mask(
 
   Returns:
     ``[batch..., 1, len, len]``, where position ``i`` may attend to
-    positions ``j <= i``.
+      positions ``j <= i``.
   """
   positions = jnp.broadcast_to(jnp.arange(x.shape[-1], dtype=jnp.int32),
                                x.shape)

@@ -159,7 +159,7 @@ def compact_name_scope(fun: F) -> F:
 
   Returns:
     The wrapped method. Calling it on a module that is not set up (not
-    bound) raises ``ValueError``.
+      bound) raises ``ValueError``.
 
   >>> import jax, jax.numpy as jnp, liftmods as nn
   >>> class Foo(nn.Module):
@@ -748,7 +748,7 @@ class Module:
 
     Returns:
       A reference whose ``.value`` can be read and, if ``col`` is mutable,
-      written.
+        written.
 
     Raises:
       ValueError: called outside ``setup`` or a compact method.
@@ -1097,7 +1097,7 @@ class Module:
 
     Returns:
       ``{path: unbound copy of the module called there}``; the root's path
-      is ``''``.
+        is ``''``.
 
     >>> import jax, jax.numpy as jnp, liftmods as nn
     >>> class Foo(nn.Module):
@@ -1309,7 +1309,7 @@ def apply(fn: Callable[..., Any], module: Module,
 
   Returns:
     ``f(variables, *args, rngs=None, **kwargs)``, returning ``fn``'s output,
-    or ``(output, mutated_collections)`` when ``mutable``.
+      or ``(output, mutated_collections)`` when ``mutable``.
 
   >>> import jax, jax.numpy as jnp, liftmods as nn
   >>> dense = nn.Dense(2)

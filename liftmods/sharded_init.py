@@ -96,8 +96,8 @@ def init_sharded(module: Any, mesh: jax.sharding.Mesh,
 
   Returns:
     ``fn(rngs, *args, **kwargs) -> (variables, shardings)``; ``fn.lower``
-    takes the same arguments and returns ``(jax.stages.Lowered,
-    shardings)``.
+      takes the same arguments and returns ``(jax.stages.Lowered,
+      shardings)``.
   """
   checked = not warn_unmapped
   if not jax.config.jax_threefry_partitionable:

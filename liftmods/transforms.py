@@ -371,7 +371,7 @@ def vmap(target: _Target, variable_axes: Mapping[CollectionFilter, InOutAxis] = 
 
   Returns:
     A subclass of ``target`` whose methods are vectorized, or the lifted
-    function.
+      function.
 
   Raises:
     TransformTargetError: ``target`` is neither a Module class nor callable.
@@ -461,7 +461,7 @@ def checkpoint(target: _Target, variables: CollectionFilter = True,
 
   Returns:
     A subclass of ``target`` whose methods are rematerialized, or the lifted
-    function.
+      function.
 
   Raises:
     TransformTargetError: ``target`` is neither a Module class nor callable.
@@ -566,7 +566,7 @@ def vjp(fn: Callable[..., Any], mdl: Module, *primals: Any,
 
   Returns:
     ``(output, vjp_fn)`` (``(output, vjp_fn, aux)`` with ``has_aux``);
-    ``vjp_fn(cotangent)`` returns ``(variable_grads, *primal_grads)``.
+      ``vjp_fn(cotangent)`` returns ``(variable_grads, *primal_grads)``.
 
   Raises:
     NotImplementedError: ``reduce_axes`` is given.
@@ -598,7 +598,7 @@ def value_and_grad(fn: Callable[..., Any], mdl: Module, *primals: Any,
 
   Returns:
     ``(value, (param_grads, *primal_grads))``, or
-    ``((value, aux), grads)`` with ``has_aux``.
+      ``((value, aux), grads)`` with ``has_aux``.
 
   Raises:
     NotImplementedError: ``reduce_axes`` is given.
@@ -1094,7 +1094,7 @@ def jit(target: _Target, variables: CollectionFilter = True,
 
   Returns:
     A subclass of ``target`` whose methods are compiled, or the compiled
-    function.
+      function.
 
   Raises:
     TransformTargetError: ``target`` is neither a Module class nor callable.

@@ -42,8 +42,8 @@ def vjp(fn: Callable[..., Any], scope: Any, *primals: Any,
 
   Returns:
     ``(y, vjp_fn)`` (``(y, vjp_fn, aux)`` with ``has_aux``);
-    ``vjp_fn(cotangent)`` returns ``(variable_grads, *primal_grads)`` where
-    ``variable_grads`` has the structure of ``scope``.
+      ``vjp_fn(cotangent)`` returns ``(variable_grads, *primal_grads)`` where
+      ``variable_grads`` has the structure of ``scope``.
 
   Raises:
     NotImplementedError: ``reduce_axes`` is given.

@@ -315,7 +315,7 @@ def get_partition_spec(tree: Any) -> Any:
 
   Returns:
     A tree of the same structure: the box's spec for boxes, an empty spec
-    for plain arrays, None for other leaves (numbers, strings, ...).
+      for plain arrays, None for other leaves (numbers, strings, ...).
   """
   return jax.tree_util.tree_map(_leaf_spec, tree, is_leaf=is_axis_metadata)
 
@@ -329,7 +329,7 @@ def get_sharding(tree: Any, mesh: jax.sharding.Mesh) -> Any:
 
   Returns:
     A tree of the same structure, with the specs of
-    ``get_partition_spec`` (None for leaves that are not arrays).
+      ``get_partition_spec`` (None for leaves that are not arrays).
   """
 
   def sharding(x):

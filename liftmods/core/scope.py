@@ -645,7 +645,7 @@ def apply(fn: Callable, mutable: Any = False,
 
   Returns:
     ``f``, which returns ``out``, or ``(out, mutated_collections)`` when
-    ``mutable`` is not False.
+      ``mutable`` is not False.
   """
 
   @api_boundary

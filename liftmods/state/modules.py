@@ -124,8 +124,8 @@ def state_of(module: Module, *filters: FilterLike,
 
   Returns:
     With no filter the whole ``{collection: ...}`` tree, with one filter the
-    tree of its leaves, with several a tuple (first match wins); leaves no
-    filter matches are left out.
+      tree of its leaves, with several a tuple (first match wins); leaves no
+      filter matches are left out.
 
   Raises:
     StateError: ``module`` is not a bound module.

@@ -40,7 +40,7 @@ def mask(tree: Mapping, *filters: FilterLike) -> Mapping:
 
   Returns:
     A tree like ``tree`` with ``True`` at the matched leaves and ``False``
-    elsewhere.
+      elsewhere.
 
   >>> from liftmods import state
   >>> state.mask({'enc': {'w': 1}, 'head': {'w': 2}}, 'head')
@@ -100,9 +100,9 @@ def value_and_grad(fn: Callable, wrt: FilterLike, *, argnums: int = 0,
 
   Returns:
     A function of ``fn``'s arguments returning ``(value, grads)``
-    (``((value, aux), grads)`` with ``has_aux``), ``grads`` holding only
-    the selected leaves. It raises ``StateError`` when given fewer than
-    ``argnums + 1`` positional arguments.
+      (``((value, aux), grads)`` with ``has_aux``), ``grads`` holding only
+      the selected leaves. It raises ``StateError`` when given fewer than
+      ``argnums + 1`` positional arguments.
 
   >>> import jax.numpy as jnp
   >>> from liftmods import state

@@ -199,7 +199,7 @@ def split(tree: Mapping, *filters: FilterLike) -> Mapping | tuple:
 
   Returns:
     With one filter the tree itself, with several a tuple of trees, as
-    NNX's ``split`` does; with none, a copy.
+      NNX's ``split`` does; with none, a copy.
 
   Raises:
     UnmatchedLeafError: a leaf matches no filter.
