@@ -21,6 +21,7 @@ P('embed', 'mlp')
 """
 import dataclasses
 import re
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -37,6 +38,11 @@ from liftmods.spmd import (RulesFallback, is_logical_names, logical_to_mesh,
 from liftmods.spmd import get_logical_axis_rules as get_axis_rules
 from liftmods.spmd import logical_axis_rules as axis_rules
 from liftmods.spmd import set_logical_axis_rules as set_axis_rules
+# Type aliases Linen code imports from this module (flax.linen.partitioning).
+from liftmods.typing import (  # pylint: disable=unused-import
+    Array, ArrayPytree, CollectionFilter, InOutAxis, InOutScanAxis,
+    LogicalPartitionSpec, LogicalPartitionSpecPytree, LogicalRules,
+    PRNGSequenceFilter, PartitionSpecPytree)
 from liftmods.spmd import with_logical_constraint as with_sharding_constraint
 
 __all__ = [
@@ -50,8 +56,13 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class AxisMetadata:
-  """The logical axis names of one variable, stored in an ``*_axes``
-  collection (a pytree with no array leaves)."""
+  """The logical axis names of one variable, stored in an ``*_axes`` collection.
+
+  A pytree with no array leaves.
+
+  Attributes:
+    names: one logical name (or None) per dimension of the variable.
+  """
 
   names: Any
 
@@ -81,10 +92,28 @@ def _current(module):
   return module
 
 
-def param_with_axes(name: str, init_fn, *init_args, axes=None, module=None,
-                    **init_kwargs):
-  """``module.param`` that also records ``axes`` (one logical name per
-  dimension) in ``params_axes`` and constrains the value to them."""
+def param_with_axes(name: str, init_fn: Callable[..., Any], *init_args: Any,
+                    axes: tuple[str | None, ...] | None = None,
+                    module: Any = None, **init_kwargs: Any) -> Array:
+  """``module.param`` that also records the parameter's logical axis names.
+
+  The names go to ``params_axes`` (as ``<name>_axes``) and the value is
+  constrained to them.
+
+  Args:
+    name: the parameter's name.
+    init_fn: its initializer.
+    *init_args: arguments of ``init_fn`` after the key.
+    axes: one logical name (or None) per dimension.
+    module: the module to declare it in (default: the running one).
+    **init_kwargs: keyword arguments of ``init_fn``.
+
+  Returns:
+    The parameter's value.
+
+  Raises:
+    ValueError: called outside a module method without ``module``.
+  """
   module = _current(module)
   value = module.param(name, init_fn, *init_args, **init_kwargs)
   if axes is not None:
@@ -95,12 +124,21 @@ def param_with_axes(name: str, init_fn, *init_args, axes=None, module=None,
 
 
 class PartitionedVariable(core_scope.Variable):
-  """A Variable whose reads and writes are constrained to its logical axes."""
+  """A Variable whose reads and writes are constrained to its logical axes.
+
+  Args:
+    scope: the scope holding the variable.
+    collection: its collection.
+    name: its name.
+    axes: one logical name (or None) per dimension (None: no constraint).
+    fallback: what ``with_logical_constraint`` does with unmapped names.
+  """
 
   __slots__ = ('axes', 'fallback')
 
-  def __init__(self, scope, collection, name, axes=None,
-               fallback=RulesFallback.AXIS_IS_UNSHARDED):
+  def __init__(self, scope: core_scope.Scope, collection: str, name: str,
+               axes: tuple[str | None, ...] | None = None,
+               fallback: RulesFallback = RulesFallback.AXIS_IS_UNSHARDED):
     super().__init__(scope, collection, name, unbox=False)
     self.axes = axes
     self.fallback = fallback
@@ -119,12 +157,34 @@ class PartitionedVariable(core_scope.Variable):
     self.scope.put_variable(self.collection, self.name, self._constrain(value))
 
 
-def variable_with_axes(collection: str, name: str, init_fn, *init_args,
-                       axes=None, module=None,
-                       fallback=RulesFallback.AXIS_IS_UNSHARDED,
-                       **init_kwargs):
-  """``module.variable`` that records ``axes`` in ``<collection>_axes`` and
-  returns a PartitionedVariable constrained to them."""
+def variable_with_axes(collection: str, name: str,
+                       init_fn: Callable[..., Any], *init_args: Any,
+                       axes: tuple[str | None, ...] | None = None,
+                       module: Any = None,
+                       fallback: RulesFallback = RulesFallback.AXIS_IS_UNSHARDED,
+                       **init_kwargs: Any) -> PartitionedVariable:
+  """``module.variable`` that also records the variable's logical axis names.
+
+  The names go to ``<collection>_axes`` (as ``<name>_axes``).
+
+  Args:
+    collection: the variable's collection.
+    name: its name.
+    init_fn: makes the initial value, ``init_fn(*init_args,
+      **init_kwargs)``.
+    *init_args: arguments of ``init_fn``.
+    axes: one logical name (or None) per dimension.
+    module: the module to declare it in (default: the running one).
+    fallback: what ``with_logical_constraint`` does with unmapped names.
+    **init_kwargs: keyword arguments of ``init_fn``.
+
+  Returns:
+    A PartitionedVariable constrained to ``axes``.
+
+  Raises:
+    ScopeVariableNotFoundError: the variable is missing and ``collection``
+      is not mutable.
+  """
   module = _current(module)
   scope = module.scope
   scope.reserve(name, collection)
@@ -142,9 +202,16 @@ def variable_with_axes(collection: str, name: str, init_fn, *init_args,
   return PartitionedVariable(scope, collection, name, axes, fallback)
 
 
-def get_axis_names(axes_metadata):
-  """The logical PartitionSpecs of an ``*_axes`` collection, keyed like the
-  variables (the ``_axes`` suffix dropped)."""
+def get_axis_names(axes_metadata: Any) -> Any:
+  """The logical PartitionSpecs recorded in an ``*_axes`` collection.
+
+  Args:
+    axes_metadata: e.g. ``variables['params_axes']``.
+
+  Returns:
+    A FrozenDict of PartitionSpecs keyed like the variables (the ``_axes``
+    suffix dropped).
+  """
 
   def specs(names):
     return jax.tree_util.tree_map(
@@ -204,13 +271,40 @@ def _add_axis_to_metadata(fn, axis_pos, axis_name, axis_col='params_axes'):
       trans_out_fn=lambda tree: _map_names(tree, insert))
 
 
-def scan_with_axes(target, variable_axes={}, variable_broadcast=False,  # pylint: disable=dangerous-default-value
-                   variable_carry=False, split_rngs={}, in_axes=0, out_axes=0,  # pylint: disable=dangerous-default-value
-                   length=None, reverse=False, unroll=1, axis_name='layers',
-                   axes_collections=('params',), data_transform=None,
-                   methods=None):
-  """``nn.scan`` that also stacks the ``*_axes`` names of the scanned
-  collections under ``axis_name`` (the ``*_axes`` collections are broadcast)."""
+def scan_with_axes(target: Any, variable_axes: Mapping[Any, Any] = {},  # pylint: disable=dangerous-default-value
+                   variable_broadcast: CollectionFilter = False,
+                   variable_carry: CollectionFilter = False,
+                   split_rngs: Mapping[Any, bool] = {},  # pylint: disable=dangerous-default-value
+                   in_axes: Any = 0, out_axes: Any = 0,
+                   length: int | None = None, reverse: bool = False,
+                   unroll: int = 1, axis_name: str = 'layers',
+                   axes_collections: tuple[str, ...] = ('params',),
+                   data_transform: Callable[..., Any] | None = None,
+                   methods: Any = None) -> Any:
+  """``nn.scan`` that also adds the scanned axis to the ``*_axes`` names.
+
+  The ``*_axes`` collections are broadcast; the names of the scanned
+  collections gain ``axis_name`` at their scanned axis.
+
+  Args:
+    target: a Module class or a function of a module.
+    variable_axes: as for ``nn.scan``.
+    variable_broadcast: as for ``nn.scan``.
+    variable_carry: as for ``nn.scan``.
+    split_rngs: as for ``nn.scan``.
+    in_axes: as for ``nn.scan``.
+    out_axes: as for ``nn.scan``.
+    length: as for ``nn.scan``.
+    reverse: as for ``nn.scan``.
+    unroll: as for ``nn.scan``.
+    axis_name: the logical name of the scanned axis.
+    axes_collections: the collections whose ``*_axes`` names are updated.
+    data_transform: as for ``nn.scan``.
+    methods: as for ``nn.scan``.
+
+  Returns:
+    The scanned class or function.
+  """
   axes_filters = tuple(f'{col}_axes' for col in axes_collections)
   scanned = transforms.scan(
       target, variable_axes=variable_axes,
@@ -225,12 +319,31 @@ def scan_with_axes(target, variable_axes={}, variable_broadcast=False,  # pylint
   return scanned
 
 
-def vmap_with_axes(target, variable_axes, split_rngs={}, in_axes=0,  # pylint: disable=dangerous-default-value
-                   out_axes=0, axis_size=None, axis_name=None,
-                   partitioning_axis_names={}, spmd_axis_name=None,  # pylint: disable=dangerous-default-value
-                   methods=None):
-  """``nn.vmap`` that also adds ``partitioning_axis_names[col]`` to the names
-  in ``<col>_axes`` for each vmapped collection."""
+def vmap_with_axes(target: Any, variable_axes: Mapping[Any, Any],
+                   split_rngs: Mapping[Any, bool] = {},  # pylint: disable=dangerous-default-value
+                   in_axes: Any = 0, out_axes: Any = 0,
+                   axis_size: int | None = None, axis_name: str | None = None,
+                   partitioning_axis_names: Mapping[str, str] = {},  # pylint: disable=dangerous-default-value
+                   spmd_axis_name: str | None = None,
+                   methods: Any = None) -> Any:
+  """``nn.vmap`` that also adds the vmapped axis to the ``*_axes`` names.
+
+  Args:
+    target: a Module class or a function of a module.
+    variable_axes: as for ``nn.vmap``.
+    split_rngs: as for ``nn.vmap``.
+    in_axes: as for ``nn.vmap``.
+    out_axes: as for ``nn.vmap``.
+    axis_size: as for ``nn.vmap``.
+    axis_name: as for ``nn.vmap``.
+    partitioning_axis_names: ``{collection: logical name}`` added to the
+      names in ``<collection>_axes`` at the vmapped axis.
+    spmd_axis_name: as for ``nn.vmap``.
+    methods: as for ``nn.vmap``.
+
+  Returns:
+    The vmapped class or function.
+  """
   variable_axes = dict(variable_axes)
   for col in partitioning_axis_names:
     variable_axes[f'{col}_axes'] = None
@@ -246,19 +359,54 @@ def vmap_with_axes(target, variable_axes, split_rngs={}, in_axes=0,  # pylint: d
   return vmapped
 
 
-def core_remat_static(fn, variables=True, rngs=True, concrete=False,
-                      prevent_cse=True, static_argnums=(), policy=None):
-  """The core (scope-function) remat with ``static_argnums``, counted from
-  the first argument after the scope."""
+def core_remat_static(fn: Callable[..., Any], variables: CollectionFilter = True,
+                      rngs: PRNGSequenceFilter = True, concrete: bool = False,
+                      prevent_cse: bool = True,
+                      static_argnums: tuple[int, ...] = (),
+                      policy: Callable[..., bool] | None = None
+                      ) -> Callable[..., Any]:
+  """The core (scope-function) remat with static arguments.
+
+  Args:
+    fn: ``fn(scope, *args)``.
+    variables: the collections ``fn`` sees.
+    rngs: the rng sequences ``fn`` sees.
+    concrete: not supported (True raises when called).
+    prevent_cse: as in ``jax.checkpoint``.
+    static_argnums: static arguments, counted from the first argument after
+      the scope.
+    policy: a ``jax.checkpoint_policies`` rule.
+
+  Returns:
+    The rematerialized scope function.
+  """
   return lift.checkpoint(fn, variables=variables, rngs=rngs,
                          concrete=concrete, prevent_cse=prevent_cse,
                          static_argnums=tuple(static_argnums), policy=policy)
 
 
-def remat(target, variables=True, rngs=True, concrete=False, prevent_cse=True,
-          static_argnums=(), policy=None, methods=None):
-  """``nn.remat`` whose ``static_argnums`` count from the first argument
-  after ``self`` (argument 0 is the first non-module argument)."""
+def remat(target: Any, variables: CollectionFilter = True,
+          rngs: PRNGSequenceFilter = True, concrete: bool = False,
+          prevent_cse: bool = True, static_argnums: int | tuple[int, ...] = (),
+          policy: Callable[..., bool] | None = None, methods: Any = None) -> Any:
+  """``nn.remat`` whose ``static_argnums`` count from the first argument after ``self``.
+
+  Args:
+    target: a Module class or a function of a module.
+    variables: the collections the target sees.
+    rngs: the rng sequences it sees.
+    concrete: not supported; must be False.
+    prevent_cse: as in ``jax.checkpoint``.
+    static_argnums: static arguments; 0 is the first non-module argument.
+    policy: a ``jax.checkpoint_policies`` rule.
+    methods: as for ``nn.remat``.
+
+  Returns:
+    The rematerialized class or function.
+
+  Raises:
+    NotImplementedError: ``concrete`` is True.
+  """
   if concrete:
     raise NotImplementedError(
         'The concrete argument is deprecated. Use static_argnums instead.')
@@ -270,9 +418,3 @@ def remat(target, variables=True, rngs=True, concrete=False, prevent_cse=True,
       lift.checkpoint, 'core_remat_static', target, variables=variables,
       rngs=rngs, concrete=False, prevent_cse=prevent_cse,
       static_argnums=tuple(static_argnums), policy=policy, methods=methods)
-
-# Type aliases Linen code imports from this module (flax.linen.partitioning).
-from liftmods.typing import (  # pylint: disable=unused-import
-    Array, ArrayPytree, CollectionFilter, InOutAxis, InOutScanAxis,
-    LogicalPartitionSpec, LogicalPartitionSpecPytree, LogicalRules,
-    PRNGSequenceFilter, PartitionSpecPytree)

@@ -22,6 +22,7 @@ encode them at all).
 """
 import enum
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -51,7 +52,11 @@ _PATH = _Path()
 
 
 def current_path() -> str:
-  """The position in the target that ``from_state_dict`` is restoring."""
+  """The position in the target that ``from_state_dict`` is restoring.
+
+  Returns:
+    The ``'/'``-joined path, for error messages of restore handlers.
+  """
   return '/'.join(_PATH.parts)
 
 
@@ -65,23 +70,54 @@ def _registry_key(x):
   return type(x)
 
 
-def register_serialization_state(ty, ty_to_state_dict, ty_from_state_dict,
-                                 override=False):
-  """Teaches ``to_state_dict``/``from_state_dict`` about the type ``ty``."""
+def register_serialization_state(ty: type,
+                                 ty_to_state_dict: Callable[[Any], Any],
+                                 ty_from_state_dict: Callable[[Any, Any], Any],
+                                 override: bool = False) -> None:
+  """Teaches ``to_state_dict``/``from_state_dict`` about the type ``ty``.
+
+  Args:
+    ty: the type.
+    ty_to_state_dict: ``fn(x) -> state`` (a dict with string keys, or a
+      leaf).
+    ty_from_state_dict: ``fn(target, state) -> restored x``.
+    override: replace a handler already registered for ``ty``.
+
+  Raises:
+    ValueError: ``ty`` has a handler and ``override`` is False.
+  """
   if ty in _REGISTRY and not override:
     raise ValueError(f'a serialization handler for "{ty.__name__}" is '
                      'already registered')
   _REGISTRY[ty] = (ty_to_state_dict, ty_from_state_dict)
 
 
-def is_serializable(target) -> bool:
+def is_serializable(target: Any) -> bool:
+  """Whether a handler is registered for ``target`` (a type or a value).
+
+  Args:
+    target: a type or an instance.
+
+  Returns:
+    True when registered.
+  """
   ty = target if isinstance(target, type) else type(target)
   return ty in _REGISTRY
 
 
-def to_state_dict(target) -> dict[str, Any]:
-  """The state of ``target`` as nested dicts with string keys; leaves (and
-  values of unregistered types) are returned as they are."""
+def to_state_dict(target: Any) -> dict[str, Any]:
+  """The state of ``target`` as nested dicts with string keys.
+
+  Args:
+    target: a registered container (dict, list, tuple, namedtuple, ...) or
+      a leaf.
+
+  Returns:
+    The state; leaves (and values of unregistered types) as they are.
+
+  Raises:
+    ValueError: a handler returned a dict with non-string keys.
+  """
   handler = _REGISTRY.get(_registry_key(target))
   if handler is None:
     return target
@@ -91,8 +127,19 @@ def to_state_dict(target) -> dict[str, Any]:
   return state
 
 
-def from_state_dict(target, state: dict[str, Any], name: str = '.'):
-  """A copy of ``target`` holding the values of ``state``."""
+def from_state_dict(target: Any, state: dict[str, Any],
+                    name: str = '.') -> Any:
+  """A copy of ``target`` holding the values of ``state``.
+
+  Args:
+    target: a tree of the wanted structure (e.g. freshly initialized
+      variables).
+    state: the state, as ``to_state_dict`` makes it.
+    name: the name of this level, for ``current_path``.
+
+  Returns:
+    The restored copy (``state`` itself for an unregistered ``target``).
+  """
   handler = _REGISTRY.get(_registry_key(target))
   if handler is None:
     return state
@@ -237,9 +284,16 @@ def _sorted_keys(d):
     return list(d)
 
 
-def check_readable_here(x, path: str) -> None:
-  """Raises if ``x`` is a ``jax.Array`` whose values this process cannot
-  read whole: sharded across processes, some shards live on other hosts.
+def check_readable_here(x: Any, path: str) -> None:
+  """Checks that this process can read all of ``x``'s values.
+
+  Args:
+    x: any value; only ``jax.Array``s are checked.
+    path: where ``x`` is in the tree, for the message.
+
+  Raises:
+    ValueError: ``x`` is sharded across processes and some shards live on
+      other hosts.
 
   >>> check_readable_here(jnp.ones(3), 'params/bias')  # one process: fine
   """
@@ -288,27 +342,59 @@ def _from_wire(x):
   return x
 
 
-def msgpack_serialize(pytree, in_place: bool = False) -> bytes:
-  """msgpack bytes of a tree of dicts, lists, tuples, Python scalars and
-  arrays. As in Linen, dict keys are written sorted unless ``in_place``
-  (then in their own order); the input is never modified either way."""
+def msgpack_serialize(pytree: Any, in_place: bool = False) -> bytes:
+  """msgpack bytes of a tree of dicts, lists, tuples, Python scalars and arrays.
+
+  Args:
+    pytree: the tree.
+    in_place: write dict keys in their own order (default: sorted, as
+      Linen does); the input is never modified either way.
+
+  Returns:
+    The encoded bytes.
+
+  Raises:
+    ValueError: an array is sharded across processes (see
+      ``check_readable_here``).
+  """
   return msgpack.packb(_to_wire(pytree, sort=not in_place), default=_pack,
                        strict_types=True)
 
 
-def msgpack_restore(encoded_pytree: bytes):
-  """The tree that ``msgpack_serialize`` encoded (tuples come back as
-  lists, arrays as numpy arrays)."""
+def msgpack_restore(encoded_pytree: bytes) -> Any:
+  """The tree that ``msgpack_serialize`` encoded.
+
+  Args:
+    encoded_pytree: the bytes.
+
+  Returns:
+    The tree; tuples come back as lists, arrays as numpy arrays.
+  """
   tree = msgpack.unpackb(encoded_pytree, ext_hook=_unpack, raw=False,
                          strict_map_key=False)
   return _from_wire(tree)
 
 
-def to_bytes(target) -> bytes:
-  """msgpack bytes of ``to_state_dict(target)``."""
+def to_bytes(target: Any) -> bytes:
+  """msgpack bytes of ``to_state_dict(target)``.
+
+  Args:
+    target: e.g. a variables dict.
+
+  Returns:
+    The encoded bytes.
+  """
   return msgpack_serialize(to_state_dict(target), in_place=True)
 
 
-def from_bytes(target, encoded_bytes: bytes):
-  """``target`` rebuilt with the values stored in ``encoded_bytes``."""
+def from_bytes(target: Any, encoded_bytes: bytes) -> Any:
+  """``target`` rebuilt with the values stored in ``encoded_bytes``.
+
+  Args:
+    target: a tree of the wanted structure.
+    encoded_bytes: bytes from ``to_bytes``.
+
+  Returns:
+    The restored tree.
+  """
   return from_state_dict(target, msgpack_restore(encoded_bytes))
