@@ -26,7 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Callable
 
 import jax
@@ -110,9 +110,14 @@ def current_module():
 
 @dataclasses.dataclass(frozen=True)
 class InterceptorContext:
-  """What an interceptor sees of the intercepted call: the module, the
-  method's name, and ``orig_method`` (the bound method itself; calling it
-  skips the remaining interceptors)."""
+  """What an interceptor sees of the intercepted call.
+
+  Attributes:
+    module: the module whose method is called.
+    method_name: the method's name.
+    orig_method: the bound method itself; calling it skips the remaining
+      interceptors.
+  """
 
   module: Any
   method_name: str
@@ -156,9 +161,21 @@ def intercept_methods(
     stack.pop()
 
 
-def run_interceptors(orig_method, module, *args, **kwargs):
-  """Calls ``orig_method(module, *args, **kwargs)`` through this thread's
-  interceptors, outermost (first registered) first."""
+def run_interceptors(orig_method: Callable[..., Any], module: Any,
+                     *args: Any, **kwargs: Any) -> Any:
+  """Calls a module method through this thread's interceptors.
+
+  The outermost (first registered) interceptor runs first.
+
+  Args:
+    orig_method: the method's function, ``orig_method(module, *args)``.
+    module: the module.
+    *args: the call's arguments.
+    **kwargs: the call's keyword arguments.
+
+  Returns:
+    What the chain of interceptors returns.
+  """
   bound = functools.partial(orig_method, module)
   context = InterceptorContext(module, _fn_name(orig_method), bound)
   fun = bound
@@ -193,10 +210,19 @@ def _fn_name(fun) -> str:
 
 @dataclasses.dataclass
 class ModuleCall:
-  """One recorded call: the module's scope path, the (bound) module, the
-  method's name, and its arguments and output with every array leaf
-  replaced by its ``jax.ShapeDtypeStruct``. ``outputs`` stays None until
-  the call returns."""
+  """One recorded call of a module method.
+
+  Array leaves of the arguments and output are replaced by their
+  ``jax.ShapeDtypeStruct``.
+
+  Attributes:
+    path: the module's scope path.
+    module: the (bound) module.
+    method: the method's name.
+    args: the positional arguments.
+    kwargs: the keyword arguments.
+    outputs: the output; None until the call returns.
+  """
 
   path: tuple
   module: Any
@@ -235,26 +261,48 @@ def record_calls():
     calls.recording = outer
 
 
-def is_array(x) -> bool:
-  """Whether ``x`` is an array leaf (a JAX or NumPy array, or its
-  ``jax.ShapeDtypeStruct``)."""
+def is_array(x: Any) -> bool:
+  """Whether ``x`` is an array leaf.
+
+  Args:
+    x: any value.
+
+  Returns:
+    True for a JAX or NumPy array or a ``jax.ShapeDtypeStruct``.
+  """
   return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
 
 
-def abstract_arrays(tree):
-  """``tree`` with its array leaves replaced by ShapeDtypeStructs, so that
-  it holds no tracer and no device buffer."""
+def abstract_arrays(tree: Any) -> Any:
+  """``tree`` with its array leaves replaced by ShapeDtypeStructs.
+
+  The result holds no tracer and no device buffer.
+
+  Args:
+    tree: a pytree.
+
+  Returns:
+    The abstract tree.
+  """
   return jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if is_array(x) else x,
       tree, is_leaf=lambda x: x is None)
 
 
-def split_arrays(tree):
-  """``(array_leaves, rebuild)``: ``rebuild(new_leaves)`` is ``tree`` with
-  its array leaves replaced by ``new_leaves``, while every other leaf stays
-  the static Python value it was. Lets a call whose arguments mix arrays
-  and plain values go through ``jax.eval_shape`` or ``jax.jit``, e.g. to
-  re-run a recorded call."""
+def split_arrays(tree: Any) -> tuple[list, Callable[[Sequence[Any]], Any]]:
+  """Separates the array leaves of ``tree`` from its static structure.
+
+  Lets a call whose arguments mix arrays and plain values go through
+  ``jax.eval_shape`` or ``jax.jit``, e.g. to re-run a recorded call.
+
+  Args:
+    tree: a pytree.
+
+  Returns:
+    ``(array_leaves, rebuild)``; ``rebuild(new_leaves)`` is ``tree`` with
+      its array leaves replaced by ``new_leaves``, every other leaf staying
+      the static Python value it was.
+  """
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   where = [i for i, x in enumerate(leaves) if is_array(x)]
 

@@ -207,11 +207,20 @@ def nowrap(fun: F) -> F:
 # -- method wrapping ----------------------------------------------------------
 
 
-def wrap_method(fun):
-  """``fun`` made a module method: called on a Module, it runs through
-  ``Module._call_wrapped_method`` (lazy setup, compact bookkeeping, the
-  module stack, interceptors, call recording, named scopes, intermediates
-  capture). Wrapping twice is a no-op."""
+def wrap_method(fun: F) -> F:
+  """Makes ``fun`` a module method with liftmods' call handling.
+
+  Called on a Module, it runs through ``Module._call_wrapped_method`` (lazy
+  setup, compact bookkeeping, the module stack, interceptors, call
+  recording, named scopes, intermediates capture). Wrapping twice is a
+  no-op.
+
+  Args:
+    fun: a function taking the module first.
+
+  Returns:
+    The wrapped function.
+  """
   if getattr(fun, 'method_handler_wrapped', False):
     return fun
   is_compact = getattr(fun, 'compact', False)
@@ -241,9 +250,19 @@ _LEAF_TYPES = frozenset((int, float, bool, str, type(None), type, complex,
                          functools.partial))
 
 
-def any_nested(val, pred) -> bool:
-  """Whether ``pred`` holds for ``val`` or anything nested in its lists,
-  tuples and dicts (plain scalars and functions are skipped fast)."""
+def any_nested(val: Any, pred: Callable[[Any], bool]) -> bool:
+  """Whether ``pred`` holds for ``val`` or anything nested in it.
+
+  Lists, tuples and dicts are searched; plain scalars and functions are
+  skipped fast.
+
+  Args:
+    val: the value.
+    pred: the test.
+
+  Returns:
+    True when some nested value passes.
+  """
   if type(val) in _LEAF_TYPES:
     return False
   if pred(val):
@@ -333,7 +352,16 @@ def _tuple_init():
   return ()
 
 
-def capture_call_intermediates(module, method_name):
+def capture_call_intermediates(module: 'Module', method_name: str) -> bool:
+  """The default filter of ``capture_intermediates=True``.
+
+  Args:
+    module: the module whose method returned.
+    method_name: the method's name.
+
+  Returns:
+    True for ``__call__``.
+  """
   return method_name == '__call__'
 
 
@@ -1216,10 +1244,19 @@ def _checked_hash(hash_fn):
 _VALID_METHODS: 'weakref.WeakKeyDictionary' = weakref.WeakKeyDictionary()
 
 
-def unbound_method(method):
-  """The plain function behind ``method`` (a Module's bound method is
-  unwrapped), checked to be a callable that takes the module as its first
-  argument; raises ``ApplyModuleInvalidMethodError`` otherwise."""
+def unbound_method(method: Callable[..., Any]) -> Callable[..., Any]:
+  """The plain function behind ``method`` (a Module's bound method is unwrapped).
+
+  Args:
+    method: a function or a bound method of a Module.
+
+  Returns:
+    The function, which takes the module as its first argument.
+
+  Raises:
+    ApplyModuleInvalidMethodError: ``method`` is not callable or takes no
+      argument.
+  """
   if inspect.ismethod(method) and isinstance(method.__self__, Module):
     method = method.__func__
   try:
@@ -1390,10 +1427,15 @@ def merge_param(name: str, a: Any, b: Any) -> Any:
 # -- name scopes and shared scopes -----------------------------------------------
 
 class CompactNameScope(Module):
-  """The child that runs a ``@compact_name_scope`` method: ``fn`` is the
-  undecorated method, called on ``module_fn()`` (the owning module) while
-  this child is the running compact module, so inline submodules are named
-  under it."""
+  """The child that runs a ``@compact_name_scope`` method.
+
+  ``fn`` is called on the owning module while this child is the running
+  compact module, so inline submodules are named under it.
+
+  Attributes:
+    fn: the undecorated method.
+    module_fn: returns the owning module.
+  """
 
   fn: Callable
   module_fn: Callable

@@ -29,6 +29,7 @@ True
 import difflib
 import math
 import warnings
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import jax
@@ -147,13 +148,28 @@ def init_sharded(module: Any, mesh: jax.sharding.Mesh,
   return init_fn
 
 
-def mesh_shardings(boxed, mesh, rules=(),
-                   fallback=RulesFallback.AXIS_IS_UNSHARDED, stacks=None):
-  """The NamedSharding over ``mesh`` of every variable in ``boxed`` (a tree
-  of boxes / arrays / ShapeDtypeStructs), checked against the mesh.
-  ``stacks`` maps the module path of each pipelined stack to its stage
-  axis (``pipeline.record_stage_axes``): every variable under such a path
-  has its layer axis on the stage axis, annotated or not."""
+def mesh_shardings(boxed: Any, mesh: jax.sharding.Mesh,
+                   rules: LogicalRules = (),
+                   fallback: RulesFallback = RulesFallback.AXIS_IS_UNSHARDED,
+                   stacks: Mapping[tuple, str] | None = None) -> Any:
+  """The NamedSharding over ``mesh`` of every variable, checked against the mesh.
+
+  Args:
+    boxed: a tree of boxes, arrays or ShapeDtypeStructs.
+    mesh: the device mesh.
+    rules: the logical-to-mesh rules.
+    fallback: what a logical name no rule maps gives.
+    stacks: the module path of each pipelined stack mapped to its stage
+      axis (``pipeline.record_stage_axes``); every variable under such a
+      path has its layer axis on the stage axis, annotated or not.
+
+  Returns:
+    The tree of NamedShardings.
+
+  Raises:
+    ShardingError: a spec names a mesh axis the mesh lacks, or its axes do
+      not divide the dimension.
+  """
   paths, treedef = jax.tree_util.tree_flatten_with_path(
       boxed, is_leaf=meta.is_axis_metadata)
   out = [_leaf_sharding(path, leaf, mesh, rules, fallback, stacks or {})
@@ -203,10 +219,18 @@ def _logical_spec(path, box, rules, fallback):
   return PartitionSpec(*axes)
 
 
-def logical_name_mismatches(boxed, rules) -> tuple[tuple, tuple]:
-  """``(model_only, rules_only)``: the logical names of the boxes in
-  ``boxed`` that no rule maps, and the rule names no box uses. A box that
-  carries its own rules is checked against those.
+def logical_name_mismatches(boxed: Any,
+                            rules: LogicalRules) -> tuple[tuple, tuple]:
+  """The model's logical names no rule maps, and the rule names no box uses.
+
+  A box that carries its own rules is checked against those.
+
+  Args:
+    boxed: a tree that may hold LogicallyPartitioned boxes.
+    rules: the rules.
+
+  Returns:
+    ``(model_only, rules_only)``.
 
   >>> import jax.numpy as jnp, liftmods as nn
   >>> box = nn.with_logical_partitioning(jnp.zeros, ('embed', 'mlp'))((2, 3))
@@ -224,8 +248,15 @@ def logical_name_mismatches(boxed, rules) -> tuple[tuple, tuple]:
   return tuple(model_only), tuple(n for n in rule_names if n not in used)
 
 
-def model_names(boxed) -> tuple:
-  """Every logical axis name of the boxes in ``boxed``, in order met."""
+def model_names(boxed: Any) -> tuple:
+  """Every logical axis name of the boxes in ``boxed``, in order met.
+
+  Args:
+    boxed: a tree that may hold LogicallyPartitioned boxes.
+
+  Returns:
+    The names.
+  """
   names = {}
   for box in _logical_boxes(boxed):
     names.update((n, None) for n in _names(box))

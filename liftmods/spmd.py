@@ -20,7 +20,7 @@ import dataclasses
 import enum
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Union
 
 import jax
@@ -70,11 +70,25 @@ def _mesh_axes_of(entry) -> set:
   return {entry}
 
 
-def assign_mesh_axes(names, rules=None) -> list | None:
-  """Per dimension: the mesh axes of the winning rule, ``UNASSIGNED`` for a
-  logical name no rule placed, and non-string entries unchanged (None for
-  ``names=None``). ``rules`` default to the context's. Callers choose what
-  an unplaced name means (replicated, an error, or no constraint)."""
+def assign_mesh_axes(names: Sequence[Any] | None,
+                     rules: LogicalRules | None = None) -> list | None:
+  """The mesh axes of each dimension under the rules.
+
+  Callers choose what an unplaced name means (replicated, an error, or no
+  constraint).
+
+  Args:
+    names: one logical name (or None) per dimension, or None.
+    rules: the rules (None: the context's).
+
+  Returns:
+    Per dimension: the mesh axes of the winning rule, ``UNASSIGNED`` for a
+      logical name no rule placed, non-string entries unchanged; None for
+      ``names=None``.
+
+  Raises:
+    ValueError: a name occurs twice, or ``rules`` is not a tuple or list.
+  """
   if names is None:
     return None
   if rules is None:
@@ -163,7 +177,13 @@ def logical_to_mesh_sharding(tree: Any, mesh: jax.sharding.Mesh,
 
 
 class RulesFallback(enum.Enum):
-  """What ``with_logical_constraint`` does with a name no rule maps."""
+  """What ``with_logical_constraint`` does with a name no rule maps.
+
+  Attributes:
+    AXIS_IS_UNSHARDED: leave that dimension unsharded.
+    RAISE_ERROR: raise ``ValueError``.
+    NO_CONSTRAINT: skip the constraint for that array.
+  """
 
   AXIS_IS_UNSHARDED = 'axis_is_unsharded'
   RAISE_ERROR = 'raise_error'
@@ -196,10 +216,16 @@ def _is_name(x) -> bool:
   return x is None or isinstance(x, str) or x is PartitionSpec.UNCONSTRAINED
 
 
-def is_logical_names(x) -> bool:
-  """Whether ``x`` is one array's logical names (a tuple of names, None or
-  ``PartitionSpec.UNCONSTRAINED``) or None: the leaves of a tree of
-  logical axis annotations."""
+def is_logical_names(x: Any) -> bool:
+  """Whether ``x`` is one array's logical names, a leaf of an annotation tree.
+
+  Args:
+    x: any value.
+
+  Returns:
+    True for None or a tuple of names (strings, None or
+      ``PartitionSpec.UNCONSTRAINED``).
+  """
   return x is None or (isinstance(x, tuple) and all(map(_is_name, x)))
 
 
@@ -211,10 +237,14 @@ _names_seen = _NamesSeen()
 
 
 @contextlib.contextmanager
-def record_constraint_names():
-  """Collects, in a dict used as an ordered set, the logical names that
-  ``with_logical_constraint`` is called with in this thread inside the
-  ``with`` block (``nn.init_sharded`` counts them as uses of the rules).
+def record_constraint_names() -> Iterator[dict]:
+  """Collects the logical names ``with_logical_constraint`` is called with.
+
+  Only calls in this thread inside the ``with`` block count
+  (``nn.init_sharded`` counts them as uses of the rules).
+
+  Yields:
+    A dict used as an ordered set of the names, filled as the block runs.
 
   >>> import jax.numpy as jnp
   >>> with record_constraint_names() as seen:
@@ -227,10 +257,18 @@ def record_constraint_names():
 
 
 @contextlib.contextmanager
-def recording(local):
-  """For ``local``, a ``threading.local`` with a ``record`` attribute: a
-  fresh dict in ``local.record`` for the ``with`` block, merged into the
-  enclosing block's dict (if any) when the block ends."""
+def recording(local: threading.local) -> Iterator[dict]:
+  """A fresh dict in ``local.record`` for the ``with`` block.
+
+  It is merged into the enclosing block's dict (if any) when the block
+  ends.
+
+  Args:
+    local: a ``threading.local`` with a ``record`` attribute.
+
+  Yields:
+    The fresh dict.
+  """
   outer, local.record = local.record, {}
   try:
     yield local.record

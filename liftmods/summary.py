@@ -137,10 +137,20 @@ def _record_init(module, rngs, args, kwargs):
   return calls, variables
 
 
-def module_calls(module, rngs, args, kwargs, show_repeated=False) -> list:
-  """The recorded method calls of an abstract ``module.init(rngs, *args,
-  **kwargs)``, parents first; only the first call per path unless
-  ``show_repeated``."""
+def module_calls(module: Module, rngs: PRNGKey | RNGSequences, args: tuple,
+                 kwargs: dict, show_repeated: bool = False) -> list:
+  """The method calls recorded while ``module.init`` runs under ``jax.eval_shape``.
+
+  Args:
+    module: the module.
+    rngs: a key or ``{sequence name: key}``.
+    args: the positional arguments of init's call.
+    kwargs: its keyword arguments.
+    show_repeated: keep every call, not only the first per path.
+
+  Returns:
+    The ``ModuleCall`` records, parents first.
+  """
   calls, _ = _record_init(module, rngs, args, kwargs)
   if show_repeated:
     return calls

@@ -130,8 +130,17 @@ def remove_axis(tree: Any, index: int, params: dict) -> Any:
   return map_axis_meta(lambda box: box.remove_axis(index, params), tree)
 
 
-def replace_boxed(tree, updates):
-  """Puts the leaves of ``updates`` into the boxes of ``tree`` (where boxed)."""
+def replace_boxed(tree: Any, updates: Any) -> Any:
+  """Puts the leaves of ``updates`` into the boxes of ``tree`` (where boxed).
+
+  Args:
+    tree: a pytree that may hold boxes.
+    updates: a tree of plain values of the same structure.
+
+  Returns:
+    ``tree``'s boxes holding ``updates``' values; unboxed leaves are
+      replaced.
+  """
   def put(old, new):
     if not is_axis_metadata(old):
       return new

@@ -656,9 +656,24 @@ def apply(fn: Callable, mutable: Any = False,
   return wrapper
 
 
-def run(fn: Callable, variables, args, kwargs, rngs=None, mutable=False,
-        flags: Mapping | None = None):
-  """One ``apply`` call without building a wrapper: ``fn(root, *args)``."""
+def run(fn: Callable, variables: Mapping, args: tuple, kwargs: dict,
+        rngs: PRNGKey | Mapping[str, PRNGKey] | None = None,
+        mutable: Any = False, flags: Mapping | None = None) -> Any:
+  """One ``apply`` call without building a wrapper: ``fn(root, *args)``.
+
+  Args:
+    fn: a function taking the root scope first.
+    variables: ``{collection: {...}}``.
+    args: ``fn``'s positional arguments.
+    kwargs: its keyword arguments.
+    rngs: a key or ``{sequence name: key}``.
+    mutable: the filter of the collections ``fn`` may write.
+    flags: read-only settings for the scope tree.
+
+  Returns:
+    ``out``, or ``(out, mutated_collections)`` when ``mutable`` is not
+      False.
+  """
   root = _bind(variables, _normalize_rngs(rngs), mutable, flags)
   try:
     out = fn(root, *args, **kwargs)
@@ -737,11 +752,18 @@ subtract_filters = filters.subtract
 is_filter_empty = filters.is_empty
 
 
-def group_collections(xs: Mapping, col_filters) -> tuple:
-  """Split the collections of ``xs`` by a sequence of filters.
+def group_collections(xs: Mapping, col_filters: Any) -> tuple:
+  """Splits the collections of ``xs`` by a sequence of filters.
 
   Each collection goes to the first filter that matches it (later filters
-  never see it); the result has one dict per filter.
+  never see it).
+
+  Args:
+    xs: ``{collection: value}``.
+    col_filters: a sequence of collection filters.
+
+  Returns:
+    One dict per filter.
 
   >>> group_collections({'params': 1, 'stats': 2, 'cache': 3},
   ...                   ['params', True])

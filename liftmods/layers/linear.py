@@ -405,8 +405,19 @@ class Einsum(Module):
 # -- convolutions --------------------------------------------------------------
 
 
-def canonicalize_padding(padding: PaddingLike, rank: int):
+def canonicalize_padding(padding: PaddingLike, rank: int) -> Any:
   """Turns a padding spec into what ``jax.lax`` convolutions accept.
+
+  Args:
+    padding: a string, an int, or one int or ``(low, high)`` pair per
+      spatial axis.
+    rank: the number of spatial axes.
+
+  Returns:
+    The string, or a list of ``(low, high)`` pairs.
+
+  Raises:
+    ValueError: ``padding`` has another form.
 
   Strings pass through, an int ``p`` means ``(p, p)`` on every one of the
   ``rank`` spatial axes, and a length-``rank`` sequence may mix ints and

@@ -46,6 +46,13 @@ def canonicalize_axes(rank: int, axes: Axes) -> tuple[int, ...]:
 
   The tuple is built from a set, which is the order Linen uses; it decides
   the order of the dimensions of ``scale``/``bias`` for unusual axes.
+
+  Args:
+    rank: the array's number of dimensions.
+    axes: an axis or axes, negative ones counting from the end.
+
+  Returns:
+    The axes.
   """
   if not isinstance(axes, Iterable):
     axes = (axes,)

@@ -175,8 +175,17 @@ class LSTMCell(_TwoStateCarry, RNNCellBase):
 
 
 class DenseParams(Module):
-  """Creates (and returns) the ``kernel``/``bias`` of a ``Dense`` layer
-  without applying it; used by :class:`OptimizedLSTMCell`.
+  """Creates (and returns) the ``kernel``/``bias`` of a ``Dense`` layer.
+
+  It does not apply them; used by :class:`OptimizedLSTMCell`.
+
+  Attributes:
+    features: number of output features.
+    use_bias: whether to create a bias.
+    param_dtype: dtype of the parameters.
+    precision: accepted like Dense's; unused here.
+    kernel_init: initializer of the kernel.
+    bias_init: initializer of the bias.
 
   >>> import jax, jax.numpy as jnp
   >>> p = DenseParams(features=2)

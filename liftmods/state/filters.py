@@ -40,7 +40,7 @@ import dataclasses
 import fnmatch
 import functools
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any as AnyType
 
 from liftmods.module import Module
@@ -349,8 +349,12 @@ _model_reader: Callable[[AnyType], Mapping] | None = None
 
 
 def set_model_reader(reader: Callable[[AnyType], Mapping]) -> None:
-  """Sets how :class:`InModule` and :func:`resolve` read the
-  ``{module_path: type}`` mapping of a bound model given as ``modules``."""
+  """Sets how :class:`InModule` and :func:`resolve` read a bound model.
+
+  Args:
+    reader: maps a bound model given as ``modules`` to its
+      ``{module_path: type}`` mapping.
+  """
   global _model_reader
   _model_reader = reader
 
@@ -378,8 +382,15 @@ def resolve(filter_like: FilterLike, modules: AnyType) -> Predicate:
   return _resolve(to_predicate(filter_like), modules)
 
 
-def needs_modules(filter_like) -> bool:
-  """Whether ``filter_like`` holds an :class:`InModule` not yet resolved."""
+def needs_modules(filter_like: FilterLike) -> bool:
+  """Whether ``filter_like`` holds an :class:`InModule` not yet resolved.
+
+  Args:
+    filter_like: anything :func:`to_predicate` accepts.
+
+  Returns:
+    True when it must be resolved against a model first.
+  """
   pred = to_predicate(filter_like)
   if isinstance(pred, InModule):
     return pred.modules is None
@@ -425,9 +436,19 @@ def to_predicate(filter_like: FilterLike) -> Predicate:
   raise errors.InvalidFilterError(filter_like)
 
 
-def to_predicates(filters) -> tuple:
-  """Predicates for ``filters``; a catch-all may only be followed by more
-  catch-alls (as in NNX)."""
+def to_predicates(filters: Sequence[FilterLike]) -> tuple:
+  """Predicates for ``filters``, in order.
+
+  Args:
+    filters: anything :func:`to_predicate` accepts, each.
+
+  Returns:
+    The predicates.
+
+  Raises:
+    FilterOrderError: a catch-all is followed by something else (as in
+      NNX).
+  """
   preds = tuple(to_predicate(f) for f in filters)
   for i, p in enumerate(preds):
     if isinstance(p, Everything) and not all(

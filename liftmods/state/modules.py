@@ -20,7 +20,7 @@ module that runs.
 >>> {'/'.join(p): t.__name__ for p, t in types.items()}
 {'': 'Net', 'LayerNorm_0': 'LayerNorm', 'head': 'Dense'}
 """
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -94,11 +94,18 @@ def _traced(bound: Module, args, kwargs, method, rngs) -> dict:
 filters.set_model_reader(module_types)
 
 
-def check_known(modules: dict, tree_paths) -> None:
-  """Raises :class:`UnknownModuleError` for a leaf (of a ``{collection:
-  ...}`` tree) below a known module that has no known submodules: the sign
-  of a ``@compact`` module that was never called, whose children do not
-  exist yet."""
+def check_known(modules: dict, tree_paths: Iterable[tuple]) -> None:
+  """Checks that every leaf's module is known.
+
+  Args:
+    modules: a :func:`module_types` mapping.
+    tree_paths: the leaf paths of a ``{collection: ...}`` tree.
+
+  Raises:
+    UnknownModuleError: a leaf lies below a known module that has no known
+      submodules: the sign of a ``@compact`` module that was never called,
+      whose children do not exist yet.
+  """
   has_children = {p[:-1] for p in modules if p}
   for path in tree_paths:
     mpath = tuple(path[1:-1])

@@ -34,9 +34,16 @@ from liftmods.state.filters import FilterLike, to_predicates
 _MISSING = object()
 
 
-def check_tree(fn: str, tree) -> None:
-  """Raises :class:`NotATreeError`, naming the function ``fn``, unless
-  ``tree`` is a mapping."""
+def check_tree(fn: str, tree: Any) -> None:
+  """Checks that ``tree`` is a mapping.
+
+  Args:
+    fn: the calling function's name, for the message.
+    tree: the value to check.
+
+  Raises:
+    NotATreeError: ``tree`` is not a mapping.
+  """
   if not isinstance(tree, Mapping):
     raise errors.NotATreeError(fn, tree)
 
