@@ -117,7 +117,11 @@ class fp8_meta_dtype(_jax_dtypes.extended):  # pylint: disable=invalid-name
 
 @dataclasses.dataclass(frozen=True)
 class fp8_meta_dtype_wrapper(_jax_dtypes.ExtendedDType):  # pylint: disable=invalid-name
-  """An ``fp8_meta`` dtype over ``float_dtype`` (see ``Fp8MetaTyRules``)."""
+  """An ``fp8_meta`` dtype over ``float_dtype`` (see ``Fp8MetaTyRules``).
+
+  Attributes:
+    float_dtype: the float dtype the values are stored in.
+  """
 
   float_dtype: Any
   _rules: type = Fp8MetaTyRules
@@ -143,8 +147,15 @@ def _fm32_to_float32(value):
 # -- quantization and scaling ----------------------------------------------------
 
 
-def get_fp8_max(fp8_dtype, out_dtype):
+def get_fp8_max(fp8_dtype: DType, out_dtype: DType) -> jax.Array:
   """Largest finite value of ``fp8_dtype``, as ``out_dtype``.
+
+  Args:
+    fp8_dtype: one of the fp8 types.
+    out_dtype: the dtype of the result.
+
+  Returns:
+    The value, a scalar.
 
   >>> float(get_fp8_max(jnp.float8_e4m3fn, jnp.float32))
   448.0
@@ -153,21 +164,51 @@ def get_fp8_max(fp8_dtype, out_dtype):
   return jnp.finfo(fp8_dtype).max.astype(out_dtype)
 
 
-def quantize(x, q_dtype, scale, compute_dtype):
-  """``x / scale`` clipped to the range of ``q_dtype`` and cast to it."""
+def quantize(x: jax.Array, q_dtype: DType, scale: jax.Array,
+             compute_dtype: DType) -> jax.Array:
+  """``x / scale`` clipped to the range of ``q_dtype`` and cast to it.
+
+  Args:
+    x: the values.
+    q_dtype: the fp8 type.
+    scale: the scale, broadcast to ``x``.
+    compute_dtype: the dtype the division and clipping run in.
+
+  Returns:
+    The quantized values.
+  """
   bound = get_fp8_max(q_dtype, compute_dtype)
   scaled = x / jnp.broadcast_to(scale.astype(compute_dtype), x.shape)
   return jnp.clip(scaled, -bound, bound).astype(q_dtype)
 
 
-def dequantize(x, dq_dtype, scale):
-  """``x`` cast to ``dq_dtype`` and multiplied by ``scale``."""
+def dequantize(x: jax.Array, dq_dtype: DType, scale: jax.Array) -> jax.Array:
+  """``x`` cast to ``dq_dtype`` and multiplied by ``scale``.
+
+  Args:
+    x: quantized values.
+    dq_dtype: the dtype of the result.
+    scale: the scale, broadcast to ``x``.
+
+  Returns:
+    The dequantized values.
+  """
   return x.astype(dq_dtype) * jnp.broadcast_to(scale.astype(dq_dtype),
                                                x.shape)
 
 
-def qdq(x, q_dtype, scale, compute_dtype):
+def qdq(x: jax.Array, q_dtype: DType, scale: jax.Array,
+        compute_dtype: DType) -> jax.Array:
   """Quantizes ``x`` and dequantizes it back to ``x.dtype``.
+
+  Args:
+    x: the values.
+    q_dtype: the fp8 type.
+    scale: the scale.
+    compute_dtype: the dtype quantization runs in.
+
+  Returns:
+    ``x`` rounded through ``q_dtype``.
 
   >>> qdq(jnp.array([1.0, 0.3]), jnp.float8_e4m3fn, jnp.ones(1), jnp.float32)
   Array([1.    , 0.3125], dtype=float32)
@@ -176,9 +217,19 @@ def qdq(x, q_dtype, scale, compute_dtype):
                     scale)
 
 
-def compute_scale(amax, scale, fp8_max, margin=0):
-  """The scale that maps ``amax`` to ``fp8_max / 2**margin``; the old
-  ``scale`` is kept when ``amax`` is zero or not finite."""
+def compute_scale(amax: jax.Array, scale: jax.Array, fp8_max: jax.Array,
+                  margin: int = 0) -> jax.Array:
+  """The scale that maps ``amax`` to ``fp8_max / 2**margin``.
+
+  Args:
+    amax: the largest absolute value seen.
+    scale: the current scale, kept when ``amax`` is zero or not finite.
+    fp8_max: the largest value of the fp8 type.
+    margin: powers of two of headroom.
+
+  Returns:
+    The new scale.
+  """
   inverse = 1.0 / scale
   factor = (fp8_max / amax) / (2**margin)
   factor = jnp.where(amax > 0.0, factor, inverse)
@@ -186,15 +237,35 @@ def compute_scale(amax, scale, fp8_max, margin=0):
   return 1.0 / factor
 
 
-def compute_amax_history(x, amax_history):
-  """``amax_history`` rolled by one with ``max |x|`` written at index 0."""
+def compute_amax_history(x: jax.Array, amax_history: jax.Array) -> jax.Array:
+  """``amax_history`` rolled by one with ``max |x|`` written at index 0.
+
+  Args:
+    x: the new values.
+    amax_history: the past absolute maxima.
+
+  Returns:
+    The new history.
+  """
   amax = jnp.max(jnp.abs(x)).astype(amax_history.dtype)
   return jnp.roll(amax_history, shift=-1, axis=0).at[0].set(amax)
 
 
-def update_fp8_meta(x, q_dtype, scale, amax_history):
-  """Returns ``(new_scale, new_amax_history)`` for quantizing ``x``: the
-  scale comes from the history *before* ``x`` is recorded in it."""
+def update_fp8_meta(x: jax.Array, q_dtype: DType, scale: jax.Array,
+                    amax_history: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The scale and history for quantizing ``x``.
+
+  The scale comes from the history *before* ``x`` is recorded in it.
+
+  Args:
+    x: the values to quantize.
+    q_dtype: the fp8 type.
+    scale: the current scale.
+    amax_history: the past absolute maxima.
+
+  Returns:
+    ``(new_scale, new_amax_history)``.
+  """
   meta = scale.dtype == fm32 and amax_history.dtype == fm32
   if meta:
     amax_history = lax.convert_element_type(amax_history, jnp.float32)
@@ -208,10 +279,21 @@ def update_fp8_meta(x, q_dtype, scale, amax_history):
   return new_scale, new_history
 
 
-def quantize_dequantize_update(x, q_dtype, scale, amax_history,
-                               compute_dtype):
-  """``qdq`` of ``x`` with the updated scale; returns ``(qdq_x, new_scale,
-  new_amax_history)``."""
+def quantize_dequantize_update(
+    x: jax.Array, q_dtype: DType, scale: jax.Array, amax_history: jax.Array,
+    compute_dtype: DType) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``qdq`` of ``x`` with the updated scale.
+
+  Args:
+    x: the values.
+    q_dtype: the fp8 type.
+    scale: the current scale.
+    amax_history: the past absolute maxima.
+    compute_dtype: the dtype quantization runs in.
+
+  Returns:
+    ``(qdq_x, new_scale, new_amax_history)``.
+  """
   new_scale, new_history = update_fp8_meta(x, q_dtype, scale, amax_history)
   quantized = qdq(x, q_dtype, _fm32_to_float32(new_scale), compute_dtype)
   return quantized, new_scale, new_history
@@ -232,11 +314,24 @@ def _consecutive_ranges(*groups):
     start += len(group)
 
 
-def dot_general_transpose_lhs(g, x, y, *, dimension_numbers, precision,
-                              preferred_element_type, swap_ans=False):
-  """The cotangent of ``x`` in ``dot_general(x, y, dimension_numbers)``
-  for output cotangent ``g`` (``swap_ans``: ``g`` has ``y``'s free axes
-  before ``x``'s)."""
+def dot_general_transpose_lhs(g: jax.Array, x: jax.Array, y: jax.Array, *,
+                              dimension_numbers: Any, precision: Any,
+                              preferred_element_type: DType | None,
+                              swap_ans: bool = False) -> jax.Array:
+  """The cotangent of ``x`` in ``dot_general(x, y, dimension_numbers)``.
+
+  Args:
+    g: the output cotangent.
+    x: the left operand (only its shape is used).
+    y: the right operand.
+    dimension_numbers: those of the forward ``dot_general``.
+    precision: the precision of the product.
+    preferred_element_type: the result dtype of the product.
+    swap_ans: ``g`` has ``y``'s free axes before ``x``'s.
+
+  Returns:
+    The cotangent, shaped like ``x``.
+  """
   (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
   x_kept = _without(range(x.aval.ndim), x_contract, x_batch)
   y_kept = _without(range(np.ndim(y)), y_contract, y_batch)
@@ -252,9 +347,23 @@ def dot_general_transpose_lhs(g, x, y, *, dimension_numbers, precision,
   return lax.transpose(product, tuple(perm))
 
 
-def dot_general_transpose_rhs(g, x, y, *, dimension_numbers, precision,
-                              preferred_element_type):
-  """The cotangent of ``y`` in ``dot_general(x, y, dimension_numbers)``."""
+def dot_general_transpose_rhs(g: jax.Array, x: jax.Array, y: jax.Array, *,
+                              dimension_numbers: Any, precision: Any,
+                              preferred_element_type: DType | None
+                              ) -> jax.Array:
+  """The cotangent of ``y`` in ``dot_general(x, y, dimension_numbers)``.
+
+  Args:
+    g: the output cotangent.
+    x: the left operand.
+    y: the right operand (only its shape is used).
+    dimension_numbers: those of the forward ``dot_general``.
+    precision: the precision of the product.
+    preferred_element_type: the result dtype of the product.
+
+  Returns:
+    The cotangent, shaped like ``y``.
+  """
   (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
   swapped = ((y_contract, x_contract), (y_batch, x_batch))
   return dot_general_transpose_lhs(
@@ -266,20 +375,60 @@ def dot_general_transpose_rhs(g, x, y, *, dimension_numbers, precision,
 
 
 @partial(custom_vjp, nondiff_argnums=(0, 1))
-def in_qdq(compute_dtype, q_dtype, inp, scale, amax_history):
-  """qdq of an operand; its backward passes the gradient through and
-  returns the updated scale and history as their gradients."""
+def in_qdq(compute_dtype: DType, q_dtype: DType, inp: jax.Array,
+           scale: jax.Array, amax_history: jax.Array) -> jax.Array:
+  """qdq of an operand, with the meta update carried by its gradient.
+
+  The backward passes the gradient through and returns the updated scale
+  and history as their gradients.
+
+  Args:
+    compute_dtype: the dtype quantization runs in.
+    q_dtype: the fp8 type.
+    inp: the operand.
+    scale: its scale.
+    amax_history: its history of absolute maxima.
+
+  Returns:
+    The operand rounded through ``q_dtype``.
+  """
   return quantize_dequantize_update(inp, q_dtype, scale, amax_history,
                                     compute_dtype)[0]
 
 
-def in_qdq_fwd(compute_dtype, q_dtype, inp, scale, amax_history):
+def in_qdq_fwd(compute_dtype: DType, q_dtype: DType, inp: jax.Array,
+               scale: jax.Array, amax_history: jax.Array
+               ) -> tuple[jax.Array, tuple]:
+  """Forward rule of :func:`in_qdq`.
+
+  Args:
+    compute_dtype: the dtype quantization runs in.
+    q_dtype: the fp8 type.
+    inp: the operand.
+    scale: its scale.
+    amax_history: its history.
+
+  Returns:
+    ``(qdq_inp, (new_scale, new_history))``.
+  """
   quantized, new_scale, new_history = quantize_dequantize_update(
       inp, q_dtype, scale, amax_history, compute_dtype)
   return quantized, (new_scale, new_history)
 
 
-def in_qdq_bwd(compute_dtype, q_dtype, res, g):
+def in_qdq_bwd(compute_dtype: DType, q_dtype: DType, res: tuple,
+               g: jax.Array) -> tuple:
+  """Backward rule of :func:`in_qdq`.
+
+  Args:
+    compute_dtype: the dtype quantization runs in.
+    q_dtype: the fp8 type.
+    res: ``(new_scale, new_history)``.
+    g: the output gradient.
+
+  Returns:
+    ``(g, new_scale, new_history)``.
+  """
   del compute_dtype, q_dtype
   new_scale, new_history = res
   return g, new_scale, new_history
@@ -289,19 +438,59 @@ in_qdq.defvjp(in_qdq_fwd, in_qdq_bwd)
 
 
 @partial(custom_vjp, nondiff_argnums=(0, 1))
-def out_qdq(compute_dtype, q_dtype, out, scale, amax_history):
-  """Identity on the output; its backward qdq's the output gradient and
-  returns the updated scale and history as their gradients."""
+def out_qdq(compute_dtype: DType, q_dtype: DType, out: jax.Array,
+            scale: jax.Array, amax_history: jax.Array) -> jax.Array:
+  """Identity on the output; its backward qdq's the output gradient.
+
+  The backward also returns the updated scale and history as their
+  gradients.
+
+  Args:
+    compute_dtype: the dtype quantization runs in.
+    q_dtype: the fp8 type of the gradient.
+    out: the output.
+    scale: the gradient's scale.
+    amax_history: the gradient's history of absolute maxima.
+
+  Returns:
+    ``out``.
+  """
   del compute_dtype, q_dtype, scale, amax_history
   return out
 
 
-def out_qdq_fwd(compute_dtype, q_dtype, out, scale, amax_history):
+def out_qdq_fwd(compute_dtype: DType, q_dtype: DType, out: jax.Array,
+                scale: jax.Array, amax_history: jax.Array
+                ) -> tuple[jax.Array, tuple]:
+  """Forward rule of :func:`out_qdq`.
+
+  Args:
+    compute_dtype: the dtype quantization runs in.
+    q_dtype: the fp8 type.
+    out: the output.
+    scale: the gradient's scale.
+    amax_history: the gradient's history.
+
+  Returns:
+    ``(out, (scale, amax_history))``.
+  """
   del compute_dtype, q_dtype
   return out, (scale, amax_history)
 
 
-def out_qdq_bwd(compute_dtype, q_dtype, res, g):
+def out_qdq_bwd(compute_dtype: DType, q_dtype: DType, res: tuple,
+                g: jax.Array) -> tuple:
+  """Backward rule of :func:`out_qdq`.
+
+  Args:
+    compute_dtype: the dtype quantization runs in.
+    q_dtype: the fp8 type.
+    res: ``(scale, amax_history)``.
+    g: the output gradient.
+
+  Returns:
+    ``(qdq_g, new_scale, new_history)``.
+  """
   scale, amax_history = res
   return quantize_dequantize_update(g, q_dtype, scale, amax_history,
                                     compute_dtype)
@@ -311,15 +500,43 @@ out_qdq.defvjp(out_qdq_fwd, out_qdq_bwd)
 
 
 @partial(custom_vjp, nondiff_argnums=(0, 1))
-def in_q(compute_dtype, q_dtype, inp, scale, amax_history):
-  """Quantizes an operand; returns ``(q_inp, new_scale)``."""
+def in_q(compute_dtype: DType, q_dtype: DType, inp: jax.Array,
+         scale: jax.Array, amax_history: jax.Array
+         ) -> tuple[jax.Array, jax.Array]:
+  """Quantizes an operand with its updated scale.
+
+  The backward returns the new scale and history as their gradients.
+
+  Args:
+    compute_dtype: the dtype quantization runs in.
+    q_dtype: the fp8 type.
+    inp: the operand.
+    scale: its scale.
+    amax_history: its history of absolute maxima.
+
+  Returns:
+    ``(q_inp, new_scale)``.
+  """
   new_scale, _ = update_fp8_meta(inp, q_dtype, scale, amax_history)
   quantized = quantize(inp, q_dtype, _fm32_to_float32(new_scale),
                        compute_dtype)
   return quantized, new_scale
 
 
-def in_q_fwd(compute_dtype, q_dtype, inp, scale, amax_history):
+def in_q_fwd(compute_dtype: DType, q_dtype: DType, inp: jax.Array,
+             scale: jax.Array, amax_history: jax.Array) -> tuple:
+  """Forward rule of :func:`in_q`.
+
+  Args:
+    compute_dtype: the dtype quantization runs in.
+    q_dtype: the fp8 type.
+    inp: the operand.
+    scale: its scale.
+    amax_history: its history.
+
+  Returns:
+    ``((q_inp, new_scale), (new_scale, new_history))``.
+  """
   new_scale, new_history = update_fp8_meta(inp, q_dtype, scale,
                                            amax_history)
   quantized = quantize(inp, q_dtype, _fm32_to_float32(new_scale),
@@ -327,7 +544,19 @@ def in_q_fwd(compute_dtype, q_dtype, inp, scale, amax_history):
   return (quantized, new_scale), (new_scale, new_history)
 
 
-def in_q_bwd(compute_dtype, q_dtype, res, _):
+def in_q_bwd(compute_dtype: DType, q_dtype: DType, res: tuple,
+             _: Any) -> tuple:
+  """Backward rule of :func:`in_q`: no gradient for the operand.
+
+  Args:
+    compute_dtype: the dtype quantization runs in.
+    q_dtype: the fp8 type.
+    res: ``(new_scale, new_history)``.
+    _: the output gradient (unused).
+
+  Returns:
+    ``(None, new_scale, new_history)``.
+  """
   del compute_dtype, q_dtype
   new_scale, new_history = res
   return None, new_scale, new_history
@@ -337,17 +566,50 @@ in_q.defvjp(in_q_fwd, in_q_bwd)
 
 
 @partial(custom_vjp, nondiff_argnums=(0,))
-def out_dq(dq_type, lhs_scale, rhs_scale, out):
-  """Dequantizes a product of two quantized operands."""
+def out_dq(dq_type: DType, lhs_scale: jax.Array, rhs_scale: jax.Array,
+           out: jax.Array) -> jax.Array:
+  """Dequantizes a product of two quantized operands.
+
+  Args:
+    dq_type: the dtype of the result.
+    lhs_scale: the left operand's scale.
+    rhs_scale: the right operand's scale.
+    out: the quantized product.
+
+  Returns:
+    ``out`` times both scales.
+  """
   scale = _fm32_to_float32(lhs_scale) * _fm32_to_float32(rhs_scale)
   return dequantize(out, dq_type, scale)
 
 
-def out_dq_fwd(dq_type, lhs_scale, rhs_scale, out):
+def out_dq_fwd(dq_type: DType, lhs_scale: jax.Array, rhs_scale: jax.Array,
+               out: jax.Array) -> tuple[jax.Array, None]:
+  """Forward rule of :func:`out_dq`.
+
+  Args:
+    dq_type: the dtype of the result.
+    lhs_scale: the left operand's scale.
+    rhs_scale: the right operand's scale.
+    out: the quantized product.
+
+  Returns:
+    ``(dequantized, None)``.
+  """
   return out_dq(dq_type, lhs_scale, rhs_scale, out), None
 
 
-def out_dq_bwd(dq_type, _, g):
+def out_dq_bwd(dq_type: DType, _: Any, g: jax.Array) -> tuple:
+  """Backward rule of :func:`out_dq`: the gradient passes to ``out``.
+
+  Args:
+    dq_type: the dtype of the result (unused).
+    _: the residuals (none).
+    g: the output gradient.
+
+  Returns:
+    ``(None, None, g)``.
+  """
   del dq_type
   return None, None, g
 
@@ -356,20 +618,61 @@ out_dq.defvjp(out_dq_fwd, out_dq_bwd)
 
 
 @partial(custom_vjp, nondiff_argnums=(8, 9))
-def quantized_dot(lhs, q_lhs, lhs_scale, rhs, q_rhs, rhs_scale,
-                  out_grad_scale, out_grad_amax_history, dimension_numbers,
-                  preferred_element_type=None):
-  """``dot_general`` of the quantized operands; its backward quantizes the
-  output gradient to e5m2 and returns the gradient's new scale/history."""
+def quantized_dot(lhs: jax.Array, q_lhs: jax.Array, lhs_scale: jax.Array,
+                  rhs: jax.Array, q_rhs: jax.Array, rhs_scale: jax.Array,
+                  out_grad_scale: jax.Array,
+                  out_grad_amax_history: jax.Array, dimension_numbers: Any,
+                  preferred_element_type: DType | None = None) -> jax.Array:
+  """``dot_general`` of the quantized operands.
+
+  Its backward quantizes the output gradient to e5m2 and returns the
+  gradient's new scale and history as their gradients.
+
+  Args:
+    lhs: the left operand (for the backward pass).
+    q_lhs: the quantized left operand.
+    lhs_scale: its scale.
+    rhs: the right operand (for the backward pass).
+    q_rhs: the quantized right operand.
+    rhs_scale: its scale.
+    out_grad_scale: the output gradient's scale.
+    out_grad_amax_history: the output gradient's history.
+    dimension_numbers: as for ``lax.dot_general``.
+    preferred_element_type: the result dtype.
+
+  Returns:
+    The (still scaled) product.
+  """
   del lhs, lhs_scale, rhs, rhs_scale, out_grad_scale, out_grad_amax_history
   return lax.dot_general(q_lhs, q_rhs, dimension_numbers,
                          preferred_element_type=preferred_element_type,
                          precision=lax.Precision.DEFAULT)
 
 
-def quantized_dot_fwd(lhs, q_lhs, lhs_scale, rhs, q_rhs, rhs_scale,
-                      out_grad_scale, out_grad_amax_history,
-                      dimension_numbers, preferred_element_type):
+def quantized_dot_fwd(lhs: jax.Array, q_lhs: jax.Array,
+                      lhs_scale: jax.Array, rhs: jax.Array,
+                      q_rhs: jax.Array, rhs_scale: jax.Array,
+                      out_grad_scale: jax.Array,
+                      out_grad_amax_history: jax.Array,
+                      dimension_numbers: Any,
+                      preferred_element_type: DType | None) -> tuple:
+  """Forward rule of :func:`quantized_dot`.
+
+  Args:
+    lhs: the left operand.
+    q_lhs: the quantized left operand.
+    lhs_scale: its scale.
+    rhs: the right operand.
+    q_rhs: the quantized right operand.
+    rhs_scale: its scale.
+    out_grad_scale: the output gradient's scale.
+    out_grad_amax_history: the output gradient's history.
+    dimension_numbers: as for ``lax.dot_general``.
+    preferred_element_type: the result dtype.
+
+  Returns:
+    ``(product, residuals)``.
+  """
   out = lax.dot_general(q_lhs, q_rhs, dimension_numbers,
                         preferred_element_type=preferred_element_type,
                         precision=lax.Precision.DEFAULT)
@@ -378,7 +681,21 @@ def quantized_dot_fwd(lhs, q_lhs, lhs_scale, rhs, q_rhs, rhs_scale,
   return out, res
 
 
-def quantized_dot_bwd(dimension_numbers, preferred_element_type, res, g):
+def quantized_dot_bwd(dimension_numbers: Any,
+                      preferred_element_type: DType | None, res: tuple,
+                      g: jax.Array) -> tuple:
+  """Backward rule of :func:`quantized_dot`.
+
+  Args:
+    dimension_numbers: as for ``lax.dot_general``.
+    preferred_element_type: the result dtype.
+    res: the residuals of the forward rule.
+    g: the output gradient.
+
+  Returns:
+    The operands' gradients (None for the quantized copies and scales) and
+      the gradient's new scale and history.
+  """
   (lhs, q_lhs, lhs_scale, rhs, q_rhs, rhs_scale, out_grad_scale,
    out_grad_amax_history) = res
   new_scale, new_history = update_fp8_meta(
@@ -400,16 +717,38 @@ def quantized_dot_bwd(dimension_numbers, preferred_element_type, res, g):
 quantized_dot.defvjp(quantized_dot_fwd, quantized_dot_bwd)
 
 
-def fp8_scaled_dot_general(lhs, rhs, dimension_numbers, precision=None,
-                           preferred_element_type=None, *, lhs_scale=None,
-                           rhs_scale=None, grad_scale=None,
-                           lhs_amax_history=None, rhs_amax_history=None,
-                           grad_amax_history=None,
-                           quantize_compute_type=jnp.float32):
-  """``dot_general`` done in fp8: both operands quantized to e4m3 with
-  their updated scales, the product dequantized; in the backward pass the
-  output gradient is quantized to e5m2. ``precision`` is ignored (with a
-  warning)."""
+def fp8_scaled_dot_general(
+    lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
+    precision: Any = None, preferred_element_type: DType | None = None, *,
+    lhs_scale: jax.Array | None = None, rhs_scale: jax.Array | None = None,
+    grad_scale: jax.Array | None = None,
+    lhs_amax_history: jax.Array | None = None,
+    rhs_amax_history: jax.Array | None = None,
+    grad_amax_history: jax.Array | None = None,
+    quantize_compute_type: DType = jnp.float32) -> jax.Array:
+  """``dot_general`` done in fp8.
+
+  Both operands are quantized to e4m3 with their updated scales and the
+  product dequantized; in the backward pass the output gradient is
+  quantized to e5m2.
+
+  Args:
+    lhs: the left operand.
+    rhs: the right operand.
+    dimension_numbers: as for ``lax.dot_general``.
+    precision: ignored, with a warning.
+    preferred_element_type: the result dtype.
+    lhs_scale: the left operand's scale.
+    rhs_scale: the right operand's scale.
+    grad_scale: the output gradient's scale.
+    lhs_amax_history: the left operand's history of absolute maxima.
+    rhs_amax_history: the right operand's history.
+    grad_amax_history: the output gradient's history.
+    quantize_compute_type: the dtype quantization runs in.
+
+  Returns:
+    The product.
+  """
   if precision is not None:
     warnings.warn('The function fp8_scaled_dot_general will set the '
                   '"precision" and disregard any provided "precision" '
@@ -425,10 +764,22 @@ def fp8_scaled_dot_general(lhs, rhs, dimension_numbers, precision=None,
 
 
 @partial(custom_jvp, nondiff_argnums=(2, 3, 4))
-def dot_general_with_precision(lhs, rhs, dimension_numbers, precision=None,
-                               preferred_element_type=None):
-  """``dot_general`` at DEFAULT precision whose derivative products run at
-  HIGHEST precision; the given precision/element type are ignored."""
+def dot_general_with_precision(lhs: jax.Array, rhs: jax.Array,
+                               dimension_numbers: Any, precision: Any = None,
+                               preferred_element_type: DType | None = None
+                               ) -> jax.Array:
+  """``dot_general`` at DEFAULT precision whose derivatives run at HIGHEST.
+
+  Args:
+    lhs: the left operand.
+    rhs: the right operand.
+    dimension_numbers: as for ``lax.dot_general``.
+    precision: ignored, with a warning.
+    preferred_element_type: ignored, with a warning.
+
+  Returns:
+    The product.
+  """
   if precision is not None or preferred_element_type is not None:
     warnings.warn('The function dot_general_with_precision will set the '
                   'precision/preferred_element_type and disregard any '
@@ -438,8 +789,21 @@ def dot_general_with_precision(lhs, rhs, dimension_numbers, precision=None,
 
 
 @dot_general_with_precision.defjvp
-def dot_general_with_precision_jvp(dimension_numbers, precision,
-                                   preferred_element_type, primals, tangents):
+def dot_general_with_precision_jvp(dimension_numbers: Any, precision: Any,
+                                   preferred_element_type: DType | None,
+                                   primals: tuple, tangents: tuple) -> tuple:
+  """JVP rule of :func:`dot_general_with_precision` (HIGHEST precision).
+
+  Args:
+    dimension_numbers: as for ``lax.dot_general``.
+    precision: ignored.
+    preferred_element_type: ignored.
+    primals: ``(lhs, rhs)``.
+    tangents: their tangents.
+
+  Returns:
+    ``(product, product_tangent)``.
+  """
   del precision, preferred_element_type
   lhs, rhs = primals
   lhs_dot, rhs_dot = tangents
