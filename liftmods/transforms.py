@@ -107,10 +107,20 @@ def _needs_walk(args, kwargs) -> bool:
   return False
 
 
-def get_module_scopes(module: Module, args=(), kwargs=None):
-  """Returns ``(scopes, args, kwargs)``: every scope ``module`` and its
-  arguments touch, with bound modules/Variables in the arguments swapped for
-  slots. The order is the one ``set_module_scopes`` reads back."""
+def get_module_scopes(module: Module, args: tuple = (),
+                      kwargs: dict | None = None) -> tuple[list, tuple, dict]:
+  """Every scope ``module`` and its arguments touch.
+
+  Args:
+    module: a bound module.
+    args: the call's arguments; bound modules and Variables in them are
+      swapped for placeholders.
+    kwargs: the call's keyword arguments, likewise.
+
+  Returns:
+    ``(scopes, args, kwargs)``; the order of ``scopes`` is the one
+      ``set_module_scopes`` reads back.
+  """
   kwargs = kwargs or {}
   scopes, seen = [], {}
 
@@ -154,9 +164,22 @@ def get_module_scopes(module: Module, args=(), kwargs=None):
   return scopes, args, kwargs
 
 
-def set_module_scopes(module: Module, args, kwargs, scopes, cls=None):
-  """Inverse of ``get_module_scopes``: a clone of ``module`` (built as
-  ``cls``) and of its argument modules, bound to ``scopes`` in order."""
+def set_module_scopes(module: Module, args: tuple, kwargs: dict,
+                      scopes: Sequence[Scope],
+                      cls: type[Module] | None = None
+                      ) -> tuple[Module, tuple, dict]:
+  """Inverse of ``get_module_scopes``: clones bound to the given scopes.
+
+  Args:
+    module: the module to clone.
+    args: arguments with placeholders from ``get_module_scopes``.
+    kwargs: keyword arguments, likewise.
+    scopes: the scopes, in ``get_module_scopes``' order.
+    cls: the class of the clone (default: ``module``'s).
+
+  Returns:
+    ``(clone, args, kwargs)`` with the argument modules rebuilt too.
+  """
   it = iter(scopes)
   made = {}
 
@@ -232,9 +255,33 @@ def _scope_fn_for(self, state, fn, fn_name, multi_scope=True, cls=None):
 
 
 @api_boundary
-def call_lifted(self, transform, fns, names, trafo_args, trafo_kwargs, args,
-                kwargs, cls=None, multi_scope=True):
-  """Runs ``fns`` (methods of ``self``) under ``transform``."""
+def call_lifted(self: Module, transform: Callable[..., Any],
+                fns: Sequence[Callable[..., Any]], names: Sequence[str],
+                trafo_args: tuple, trafo_kwargs: dict, args: tuple,
+                kwargs: dict, cls: type[Module] | None = None,
+                multi_scope: bool = True) -> Any:
+  """Runs ``fns`` (methods of ``self``) under a core ``transform``.
+
+  Args:
+    self: the bound module.
+    transform: the core transform, ``transform(*scope_fns, *trafo_args,
+      **trafo_kwargs)``.
+    fns: the methods' functions.
+    names: their names, for error messages.
+    trafo_args: positional arguments of ``transform``.
+    trafo_kwargs: keyword arguments of ``transform``.
+    args: the call's arguments.
+    kwargs: the call's keyword arguments.
+    cls: the class clones are built as.
+    multi_scope: allow modules passed as arguments or held in fields.
+
+  Returns:
+    The transformed call's output.
+
+  Raises:
+    NotImplementedError: ``multi_scope`` is False and more than one scope
+      is involved.
+  """
   state = self._state.export()
   scope_fns = [_scope_fn_for(self, state, f, n, multi_scope, cls)
                for f, n in zip(fns, names)]
@@ -275,10 +322,24 @@ def _class_method(transform, fn, fn_name, trafo_args, trafo_kwargs, cls):
   return lifted
 
 
-def lift_class(transform, name, module_class, *trafo_args, methods=None,
-               **trafo_kwargs):
-  """A subclass of ``module_class`` whose ``methods`` run under
-  ``transform``; named ``{Name}{ModuleClass}`` like Linen's."""
+def lift_class(transform: Callable[..., Any], name: str,
+               module_class: Any, *trafo_args: Any, methods: Any = None,
+               **trafo_kwargs: Any) -> Any:
+  """A subclass of ``module_class`` whose ``methods`` run under ``transform``.
+
+  Args:
+    transform: the core transform.
+    name: the transform's name; the class is named ``{Name}{ModuleClass}``
+      like Linen's.
+    module_class: a Module class or a ``functools.partial`` of one.
+    *trafo_args: positional arguments of ``transform``.
+    methods: None (``__call__``), a list of names, or ``{name: transform
+      kwargs}``.
+    **trafo_kwargs: keyword arguments of ``transform``.
+
+  Returns:
+    The subclass (or a partial of it).
+  """
   partial = None
   if isinstance(module_class, functools.partial):
     partial, module_class = module_class, module_class.func
@@ -295,9 +356,23 @@ def lift_class(transform, name, module_class, *trafo_args, methods=None,
   return new_cls
 
 
-def lift_decorator(transform, class_fns, *trafo_args, multi_scope=True,
-                   **trafo_kwargs):
-  """Lifts method(s) ``class_fns`` (functions taking the module first)."""
+def lift_decorator(transform: Callable[..., Any],
+                   class_fns: Callable[..., Any] | tuple,
+                   *trafo_args: Any, multi_scope: bool = True,
+                   **trafo_kwargs: Any) -> Callable[..., Any]:
+  """Lifts method(s) ``class_fns`` (functions taking the module first).
+
+  Args:
+    transform: the core transform.
+    class_fns: a function, or a tuple of functions the transform takes
+      together.
+    *trafo_args: positional arguments of ``transform``.
+    multi_scope: allow modules passed as arguments or held in fields.
+    **trafo_kwargs: keyword arguments of ``transform``.
+
+  Returns:
+    ``f(module, *args)`` running under the transform.
+  """
   fns = class_fns if isinstance(class_fns, tuple) else (class_fns,)
   wrapped = [wrap_method(f) for f in fns]
   names = [getattr(f, '__name__', 'fn') for f in fns]
@@ -309,9 +384,25 @@ def lift_decorator(transform, class_fns, *trafo_args, multi_scope=True,
   return functools.wraps(wrapped[0])(lifted)
 
 
-def lift_transform(transform, name, target, *trafo_args, methods=None,
-                   **trafo_kwargs):
-  """Dispatches on the target: a Module class or a method/function."""
+def lift_transform(transform: Callable[..., Any], name: str, target: Any,
+                   *trafo_args: Any, methods: Any = None,
+                   **trafo_kwargs: Any) -> Any:
+  """Lifts a Module class (``lift_class``) or a function (``lift_decorator``).
+
+  Args:
+    transform: the core transform.
+    name: the transform's name.
+    target: a Module class or a function of a module.
+    *trafo_args: positional arguments of ``transform``.
+    methods: for a class, the methods to transform.
+    **trafo_kwargs: keyword arguments of ``transform``.
+
+  Returns:
+    The lifted class or function.
+
+  Raises:
+    TransformTargetError: ``target`` is neither.
+  """
   if _is_module_class(target):
     return lift_class(transform, name, target, *trafo_args, methods=methods,
                       **trafo_kwargs)
@@ -320,9 +411,25 @@ def lift_transform(transform, name, target, *trafo_args, methods=None,
   raise errors.TransformTargetError(target)
 
 
-def lift_direct(transform, targets, module, *args, multi_scope=True,
-                **kwargs):
-  """Applies ``transform`` to functions of ``module`` right away."""
+def lift_direct(transform: Callable[..., Any],
+                targets: Sequence[Callable[..., Any]], module: Module,
+                *args: Any, multi_scope: bool = True, **kwargs: Any) -> Any:
+  """Applies ``transform`` to functions of ``module`` right away.
+
+  Args:
+    transform: the core transform.
+    targets: functions (or bound methods) taking the module first.
+    module: the bound module.
+    *args: arguments of the transformed call.
+    multi_scope: allow modules passed as arguments or held in fields.
+    **kwargs: keyword arguments of the transformed call.
+
+  Returns:
+    The transformed call's output.
+
+  Raises:
+    TransformTargetError: a target is a Module class.
+  """
   for t in targets:
     if _is_module_class(t):
       raise errors.TransformTargetError(t)
