@@ -24,7 +24,16 @@ Models:
   resnet   a small ResNet with BatchNorm (running statistics updated in the
            step) on 32x32 images;
   seq2seq  an LSTM encoder-decoder (``nn.RNN`` over ``OptimizedLSTMCell``)
-           learning to reverse sequences.
+           learning to reverse sequences;
+  lm_qat   the demo language model trained with int8 quantization-aware
+           training: ``qwix.quantize_model`` with ``QtProvider`` (int8
+           weights and activations in every matmul), as in
+           ``examples/quantize.py`` (not in the default ``--model`` list).
+
+qwix is Linen code that binds ``flax.linen`` when it is imported, so for
+``lm_qat`` it is imported twice, once under ``liftmods.compat``'s switch
+(:func:`use_qwix`); each side's copy is put in force, outside the timed
+calls, before that side is timed.
 
 With ``--topology`` (``benchmarks/aot.py``) nothing is timed: each model's
 train step, built with each library, is compiled for that TPU slice with the
@@ -38,6 +47,7 @@ flax.linen are printed side by side (``--mode`` does not apply).
 """
 import functools
 import gc
+import importlib
 import pathlib
 import statistics
 import sys
@@ -53,10 +63,11 @@ import optax
 
 import liftmods as lnn
 from benchmarks import aot
+from liftmods import compat
 
-MODELS = ('lm', 'resnet', 'seq2seq')
+MODELS = ('lm', 'resnet', 'seq2seq', 'lm_qat')
 MODES = ('trace', 'lower', 'compile', 'step', 'forward')
-flags.DEFINE_list('model', list(MODELS), f'models, from {MODELS}')
+flags.DEFINE_list('model', list(MODELS[:3]), f'models, from {MODELS}')
 flags.DEFINE_list('mode', list(MODES), f'figures, from {MODES}')
 flags.DEFINE_integer('repeats', 7, 'timed repetitions (interleaved)')
 flags.DEFINE_integer('step_repeats', 20, 'timed repetitions for --mode=step')
@@ -86,13 +97,17 @@ def lm_model_module(nn_name: str) -> types.ModuleType:
   return module
 
 
-def lm(nn):
+def lm(nn, quantize=None):
+  """The demo LM's train step; ``quantize(model)`` (if given) is the model
+  the step trains, from the plain model's initial state."""
   from examples.lm import train
   module = lm_model_module(nn.__name__)
   cfg = train.TrainConfig(model=module.Config())
   model = module.TransformerLM(cfg.model)
   optimizer = train.make_optimizer(cfg)
   state, _ = train.init_state(model, optimizer, seed=0, unbox=nn.unbox)
+  if quantize is not None:
+    model = quantize(model)
   rng = np.random.default_rng(0)
   batch = jnp.asarray(rng.integers(0, 256, (cfg.batch_size, cfg.seq_len + 1)),
                       jnp.int32)
@@ -208,7 +223,83 @@ def seq2seq(nn, vocab=32, features=128, length=24, batch_size=32):
   return step, state, (source, target_in, target), forward
 
 
-BUILDERS = {'lm': lm, 'resnet': resnet, 'seq2seq': seq2seq}
+# qwix's modules as imported against each library, and which is in force.
+_QWIX = {}
+_QWIX_IN_FORCE = [None]
+
+
+def _qwix_entries():
+  return {name: module for name, module in sys.modules.items()
+          if name == 'qwix' or name.startswith('qwix.')}
+
+
+def _import_qwix_twice():
+  """Imports qwix against flax.linen, then again under the switch.
+
+  flax.linen first, so that what qwix imports from the rest of flax
+  (``flax.nnx`` binds ``flax.linen`` too) is flax's own on both sides."""
+  if _qwix_entries():
+    raise RuntimeError('lm_qat imports qwix itself, once per library; it '
+                       'was imported before')
+  importlib.import_module('qwix')
+  for name in ('flax.linen', 'liftmods'):
+    _QWIX[name] = _qwix_entries()
+    for entry in _QWIX[name]:
+      del sys.modules[entry]
+    if name == 'flax.linen':
+      with compat.flax_linen_as_liftmods(warn=False):
+        importlib.import_module('qwix')
+  assert _QWIX['liftmods']['qwix._src.model'].nn.Dense is lnn.Dense
+  assert _QWIX['flax.linen']['qwix._src.model'].nn.Dense is fnn.Dense
+
+
+def use_qwix(nn):
+  """Puts the copy of qwix imported against ``nn`` in force and returns it.
+
+  While it intercepts, qwix finds names such as ``flax.linen.Module.param``
+  and its own ``qwix._src.qconfig.get_current_rule`` through ``sys.modules``,
+  so its entries there, and the switch (installed for liftmods), must be
+  that side's while a quantized model is built or traced. Costs a dict
+  lookup when that side is in force already (the switch's install is 1-2
+  ms), so ``measure`` calls it before each timed call, untimed."""
+  if not _QWIX:
+    _import_qwix_twice()
+  if _QWIX_IN_FORCE[0] != nn.__name__:
+    for entry in _qwix_entries():
+      del sys.modules[entry]
+    sys.modules.update(_QWIX[nn.__name__])
+    if nn is lnn:
+      compat.install(warn=False)
+    else:
+      compat.uninstall()
+    _QWIX_IN_FORCE[0] = nn.__name__
+  return sys.modules['qwix']
+
+
+def lm_qat(nn):
+  """The LM's train step under int8 QAT (qwix's ``QtProvider``)."""
+
+  def quantize(model):
+    qwix = use_qwix(nn)
+    rule = qwix.QtRule(module_path='.*', weight_qtype='int8',
+                       act_qtype='int8')
+    return qwix.quantize_model(model, qwix.QtProvider([rule]))
+
+  def in_force(fn):
+    @functools.wraps(fn)
+    def wrapped(*args):
+      use_qwix(nn)
+      return fn(*args)
+    wrapped.prepare = lambda: use_qwix(nn)
+    return wrapped
+
+  use_qwix(fnn)  # the model file is loaded with the switch off
+  step, state, batch, forward = lm(nn, quantize)
+  return in_force(step), state, batch, in_force(forward)
+
+
+BUILDERS = {'lm': lm, 'resnet': resnet, 'seq2seq': seq2seq,
+            'lm_qat': lm_qat}
 
 
 # --- measuring ---------------------------------------------------------------
@@ -252,8 +343,19 @@ def timed_call(mode, step, state, batch, forward):
   return nothing, lambda: jax.block_until_ready(compiled(state, batch))
 
 
+def _side(args, call):
+  """``prepare`` then ``call``'s: a step may need its side put in force
+  first (``lm_qat``: :func:`use_qwix`), which stays out of the timing."""
+  prepare, timed = call
+  side = getattr(args[0], 'prepare', None)
+  if side is None:
+    return prepare, timed
+  return lambda: (side(), prepare()), timed
+
+
 def measure(mode, built, repeats):
-  calls = {name: timed_call(mode, *args) for name, args in built.items()}
+  calls = {name: _side(args, timed_call(mode, *args))
+           for name, args in built.items()}
   times = {name: [] for name in calls}
   for prepare, call in calls.values():  # warm-up: caches, first-call costs
     prepare()
@@ -286,7 +388,7 @@ def attribute(model, built):
     stats = pstats.Stats(profile)
     shares = {}
     for (path, _, _), (_, _, own, _, _) in stats.stats.items():
-      where = next((k for k in ('liftmods', 'flax', 'jax', 'optax')
+      where = next((k for k in ('liftmods', 'flax', 'jax', 'optax', 'qwix')
                     if f'/{k}/' in path), 'other')
       shares[where] = shares.get(where, 0.0) + own
     total = sum(shares.values())
