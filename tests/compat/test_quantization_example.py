@@ -12,6 +12,9 @@ import sys
 
 import pytest
 
+# About 45 CPU-s of compiles (float32 and QAT train steps, three evals).
+pytestmark = pytest.mark.integration
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
 
