@@ -1,6 +1,6 @@
 """Train a byte-level Transformer LM on the Python standard library's source.
 
-  python -m examples.lm            # default run: about 2.5 minutes, 2 CPU cores
+  python -m examples.lm            # default run: 600 steps, about 8 CPU-minutes
   python -m examples.lm --resume   # continue from the latest checkpoint
   python -m examples.lm --steps=2000 --layers=6 --d_model=256
   python -m examples.lm --devices=8   # sharded over 8 simulated CPU devices
