@@ -19,6 +19,7 @@ without changing what is compared; ``LIFTMODS_TEST_XLA_CACHE=0`` turns it off.
 Both sides apply the same ``jnp.clip`` shim (``hf_side.shim_jnp_clip``):
 transformers 4.46 passes ``a_min=`` / ``a_max=``, which current JAX rejects.
 """
+import numpy as np
 import pytest
 
 from tests.compat import differential
