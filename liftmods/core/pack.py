@@ -211,20 +211,19 @@ class Packing:
       if len(filters) == 1:
         return (({},),)
       return tuple(({},) for _ in filters)
-    per_scope = []
-    # The names folded lazily into each key are read now, not when the
-    # inner scopes are made: JAX may trace the inside after the outer
-    # scopes were released (the forward of a custom_vjp, differentiated
-    # after ``apply`` returned).
-    self.rng_suffixes = tuple(
-        {name: lazy.suffix for name, lazy in s.rngs.items()}
-        for s in self.scopes)
+    per_scope, suffixes = [], []
     for s in self.scopes:
-      if s.rngs:
-        keys = {name: lazy.key for name, lazy in s.rngs.items()}
-        per_scope.append(_group(keys, filters))
-      else:
-        per_scope.append([{} for _ in filters])
+      # The names folded lazily into each key are kept now, not read when
+      # the inner scopes are made: JAX may trace the inside after the outer
+      # scopes were released (the forward of a custom_vjp, differentiated
+      # after ``apply`` returned).
+      keys, suffix = {}, {}
+      for name, lazy in s.rngs.items():
+        keys[name], suffix[name] = lazy.key, lazy.suffix
+      suffixes.append(suffix)
+      per_scope.append(_group(keys, filters) if keys
+                       else [{} for _ in filters])
+    self.rng_suffixes = tuple(suffixes)
     return tuple(tuple(groups[i] for groups in per_scope)
                  for i in range(len(filters)))
 

@@ -95,7 +95,16 @@ def _is_array(x) -> bool:
   """A plain array or tracer: no box inside, one leaf. By type, not by a
   ``shape`` attribute, which a pytree may have as a property that raises
   (AQT's QTensor while it holds only scales)."""
-  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+  kind = type(x)
+  if kind in _ARRAY_TYPES:  # the common case, without jax.Array's check
+    return True
+  if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+    _ARRAY_TYPES.add(kind)
+    return True
+  return False
+
+
+_ARRAY_TYPES: set = set()  # concrete array and tracer types seen
 
 
 def _has_boxes(tree) -> bool:
