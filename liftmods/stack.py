@@ -26,24 +26,20 @@ over the same stacked variables, so one checkpoint serves both modes.
 (4, 3, 3)
 """
 import dataclasses
-import functools
 import inspect
 import math
+import types
 import warnings
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
-from jax.ad_checkpoint import Offloadable, Recompute, Saveable, checkpoint_name
+from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 
 from liftmods import errors, pipeline as pipelining
 from liftmods.core import meta
-from liftmods.core.pack import (broadcast, check_variable_axes, has_rngs,
-                                outer_scopes, pack, split_keys)
-from liftmods.core.rng_counters import (RngReplay, restore_scopes,
-                                        snapshot_scopes)
+from liftmods.core.layer_scan import Remat, layer_scan
+from liftmods.core.pack import broadcast
 from liftmods.module import Module
 from liftmods.transforms import call_lifted
 
@@ -254,21 +250,7 @@ def offload_supported() -> bool:
   return 'pinned_host' in kinds
 
 
-# -- tagging and block outputs ----------------------------------------------------------
-
-
-def _is_array(x) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray))
-
-
-def _nbytes(tree) -> int:
-  return sum(math.prod(a.shape) * a.dtype.itemsize
-             for a in jax.tree_util.tree_leaves(tree) if _is_array(a))
-
-
-def _tag(tree, name):
-  return jax.tree_util.tree_map(
-      lambda x: checkpoint_name(x, name) if _is_array(x) else x, tree)
+# -- the stack's errors and schedule, as layer_scan wants them ---------------------------
 
 
 def _avals(tree):
@@ -276,53 +258,73 @@ def _avals(tree):
       lambda x: (tuple(jnp.shape(x)), jnp.result_type(x)), tree)
 
 
-def _check_carry(path, block, fold, c_in, out):
-  """Returns ``(carry, ys)`` from a block output, or raises StackError."""
-  if fold:
-    c_out, ys = out, ()
-  else:
-    if not isinstance(out, (tuple, list)) or len(out) != 2:
-      raise errors.StackError(
-          f'Stack at {path}: stack.scan needs {block}.__call__ to return a '
-          f'pair (carry, output); it returned {type(out).__name__}. Call the '
-          'stack itself to fold a block that maps x -> x.')
-    c_out, ys = out
-  if jax.tree_util.tree_structure(c_in) != jax.tree_util.tree_structure(
-      c_out) or _avals(c_in) != _avals(c_out):
-    what = ('a fold block must map x -> x' if fold else
+class _Explain:
+  """The errors of a stack's loop (``layer_scan.Explain``), worded for the
+  block and the stack call."""
+
+  def __init__(self, path: str, block: str, fold: bool, length: int):
+    self.path, self.block, self.fold, self.length = path, block, fold, length
+
+  def output(self, out):
+    return errors.StackError(
+        f'Stack at {self.path}: stack.scan needs {self.block}.__call__ to '
+        f'return a pair (carry, output); it returned {type(out).__name__}. '
+        'Call the stack itself to fold a block that maps x -> x.')
+
+  def carry(self, c_in, out, mismatch):
+    del mismatch  # the avals of both carries say it in full
+    c_out = out if self.fold else out[0]
+    what = ('a fold block must map x -> x' if self.fold else
             'a scan block must return (x, output) with x')
     hint = (' It returned a pair: for a block returning (carry, output) use '
-            'stack.scan.' if fold and isinstance(out, tuple) and len(out) == 2
-            else '')
-    raise errors.StackError(
-        f'Stack at {path}: {block}.__call__ returned a carry of '
+            'stack.scan.' if self.fold and isinstance(out, tuple) and
+            len(out) == 2 else '')
+    return errors.StackError(
+        f'Stack at {self.path}: {self.block}.__call__ returned a carry of '
         f'{_avals(c_out)}, but received {_avals(c_in)}; {what} of the same '
         f'structure, shape and dtype.{hint}')
-  return c_out, ys
+
+  def axis(self, scope, where, shape):
+    # Layers are stored on axis 0: a mismatch is a checkpoint saved for
+    # another number of layers.
+    if not shape:
+      got = f'has shape {shape}, with no layer axis'
+    else:
+      got = f'has shape {shape}: the checkpoint has {shape[0]} layers'
+    return errors.VariableAxisError(
+        f'Stack at {scope.path_text}: {where} {got}, the stack {self.length}. '
+        f'Load variables saved for {self.length} layers, build the stack with '
+        "the checkpoint's length, or re-initialize.")
 
 
-# -- the loop over layers ----------------------------------------------------------------
+class _Pipelined:
+  """A pipeline's schedule as ``layer_scan.Schedule``: it runs every call
+  but ``init``, which creates the variables as the unpipelined stack does
+  and stores them in the pipeline's (stage-major) order."""
+
+  def __init__(self, pipeline, path: str):
+    self.pipeline, self.path = pipeline, path
+
+  def takes_over(self, scopes, stacked) -> bool:
+    return not pipelining.initializing(scopes, stacked)
+
+  def run(self, layer, policy, c, stacked, keys, per_layer, length, scopes):
+    return pipelining.run(self.pipeline, layer, policy, c, stacked, keys,
+                          per_layer, length=length,
+                          is_mutable=scopes[0].is_mutable_collection,
+                          path=self.path)
+
+  def store(self, variables):
+    return self.pipeline.stage_major(variables)
 
 
-def _take(tree, start, stop=None):
-  if stop is None:
-    return jax.tree_util.tree_map(lambda a: a[start], tree)
-  return jax.tree_util.tree_map(lambda a: a[start:stop], tree)
-
-
-def _stack_transform(layer_fn, *, length, policy, mode, unroll,
-                     metadata_params, path, site, pipeline=None):
-  """A core transform running ``layer_fn(scope, c, per_layer) -> (c, ys)``
-  over ``length`` layers. Every collection is stacked on axis 0 and every
-  rng sequence is split per layer, as in ``scan(variable_axes={True: 0},
-  split_rngs={True: True})``; the keys and rng counters each layer sees are
-  those of that scan, whatever the mode and policy. ``site`` (hashable)
-  identifies the stack for replaying rng counters on a repeated trace.
-  With a ``pipeline`` the layers run on its schedule, except in ``init``,
-  which creates the variables as the unpipelined stack does and stores them
-  in the pipeline's (stage-major) order."""
+def _remat(policy: StackPolicy | None, path: str) -> Remat | None:
+  """The policy as layer_scan's Remat, offloading only where the target
+  platform has host memory (else warning once per trace)."""
+  if policy is None:
+    return None
   offload = False
-  if policy is not None and policy.offloaded_names():
+  if policy.offloaded_names():
     offload = offload_supported()
     if not offload:
       warnings.warn(
@@ -332,145 +334,17 @@ def _stack_transform(layer_fn, *, length, policy, mode, unroll,
           'device (XLA:CPU keeps everything in device memory); keeping these '
           'values in device memory instead. To compile for other devices, '
           'trace under jax.set_mesh(mesh) with a mesh of those devices.',
-          StackOffloadWarning, stacklevel=4)
-  in_loop = mode == 'scan'
-  jax_policy = policy.jax_policy(offload) if policy is not None else None
-
-  def inner(scope_fn, repack_fn, variable_groups, rng_groups, c, per_layer):
-    scopes = outer_scopes(scope_fn)
-    stacked = meta.remove_axis(variable_groups[0], 0, metadata_params)
-    check_variable_axes('Stack', scopes, (stacked,), (0,), length, 'length')
-    keys = split_keys(rng_groups[0], length)
-    xs = (stacked, keys, per_layer)
-    pipelined = pipeline is not None and not pipelining.initializing(
-        scopes, stacked)
-    verify = []  # while replaying: checks the counters after a layer trace
-
-    def layer(c, sliced):
-      variables, layer_keys, xs = sliced
-      inner_scopes = scope_fn((variables,), (layer_keys,))
-      c, ys = layer_fn(inner_scopes, c, xs)
-      for check in verify:
-        check()
-      return c, (ys, repack_fn(inner_scopes)[0])
-
-    if policy is not None:
-      cse = policy.prevent_cse
-      layer_ck = jax.checkpoint(layer, policy=jax_policy,
-                                prevent_cse=(not in_loop) if cse is None else cse)
-    else:
-      layer_ck = layer
-
-    def run(c, sliced, n, ready):
-      """``n`` layers, looped or unrolled, each traced from ``ready``."""
-      if in_loop:
-        restore_scopes(scopes, ready)
-        return lax.scan(layer_ck, c, sliced, length=n, unroll=unroll)
-      outs = []
-      for i in range(n):
-        restore_scopes(scopes, ready)
-        c, out = layer_ck(c, _take(sliced, i))
-        outs.append(out)
-      return c, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
-
-    group = None if policy is None else policy.groups(
-        length, _nbytes(c), _nbytes(xs))
-
-    def all_layers(ready):
-      if pipelined:
-        restore_scopes(scopes, ready)
-        c_out, var_out = pipelining.run(
-            pipeline, layer, jax_policy, c, stacked, keys, per_layer,
-            length=length, is_mutable=scopes[0].is_mutable_collection,
-            path=path)
-        return c_out, ((), var_out)
-      step = functools.partial(run, ready=ready)
-      if group is None or group >= length:  # one group: nothing to nest
-        return step(c, xs, length)
-      return _nested(step, c, xs, length, group, policy, offload, in_loop)
-
-    c, (ys, var_out) = _replaying_rngs(scopes, rng_groups, site, layer, c, xs,
-                                       all_layers, verify)
-    if pipeline is not None and not pipelined:
-      var_out = pipeline.stage_major(var_out)
-    var_out = meta.add_axis(var_out, 0, metadata_params)
-    return (c, ys), (var_out,)
-
-  return pack(inner, (True,), (True,), (True,), name='Stack')
-
-
-def _replaying_rngs(scopes, rng_groups, site, layer, c, xs, all_layers,
-                    verify):
-  """``all_layers(ready_counters) -> (c, outs)`` with Linen's rng counters.
-
-  A lifted scan traces its body once outside the loop when rngs cross it,
-  and the loop body sees the counters that trace left. The first time a
-  site is traced this does the same (one abstract trace of ``layer``) and
-  records the counters; a repeated trace at the same site and counter state
-  jumps to the recorded counters and traces the layers once, checking
-  after each layer trace that the counters moved as recorded (else it
-  starts over the first way).
-  """
-  if not has_rngs(rng_groups):
-    return all_layers(snapshot_scopes(scopes))
-  replay = RngReplay(
-      scopes, (site, jax.tree_util.tree_structure((c, xs))))
-
-  def checked(check):
-    verify.append(check)
-    try:
-      return all_layers(replay.hit[0])
-    finally:
-      verify.clear()
-
-  replayed = replay.replayed(checked)
-  if replayed is not None:
-    return replayed[0]
-  jax.eval_shape(layer, c, _take(xs, 0))
-  ready = replay.state()
-  out = all_layers(ready)
-  replay.record(ready, replay.state())
-  return out
-
-
-def _nested(run, c, xs, length, group, policy, offload, in_loop):
-  """``length`` layers in groups of ``group``: each group is an inner loop
-  under ``jax.checkpoint``; the full groups run in a rolled outer scan
-  (a Python loop when unrolled) and the rest as one more group."""
-  n_full, rest = divmod(length, group)
-  group_policy = None
+          StackOffloadWarning, stacklevel=5)
+  group_carry = None
   if offload and policy.save_carries == 'offload':
-    group_policy = jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=(), names_which_can_be_offloaded=(
-            GROUP_CARRY,), offload_src='device', offload_dst='pinned_host')
-
-  def one_group(n, looped):
-    def body(c, sliced):
-      if group_policy is not None:
-        c = _tag(c, GROUP_CARRY)
-      return run(c, sliced, n)
-    # Outside a loop, XLA could merge the recomputation into the forward
-    # pass and keep every activation; prevent_cse stops that.
-    return jax.checkpoint(body, policy=group_policy, prevent_cse=not looped)
-
-  full = one_group(group, in_loop)
-  main = jax.tree_util.tree_map(
-      lambda a: a[:n_full * group].reshape((n_full, group) + a.shape[1:]), xs)
-  if in_loop:
-    c, outs = lax.scan(full, c, main)
-    outs = jax.tree_util.tree_map(
-        lambda a: a.reshape((n_full * group,) + a.shape[2:]), outs)
-  else:
-    parts = []
-    for g in range(n_full):
-      c, out = full(c, _take(main, g))
-      parts.append(out)
-    outs = jax.tree_util.tree_map(lambda *a: jnp.concatenate(a), *parts)
-  if rest:
-    c, tail = one_group(rest, False)(c, _take(xs, n_full * group, length))
-    outs = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b]), outs,
-                                  tail)
-  return c, outs
+    group_carry = GROUP_CARRY
+  group_size = None
+  if policy.nested is not False:
+    group_size = lambda n, carry, sliced: policy.groups(n, carry, sliced)  # pylint: disable=unnecessary-lambda
+  return Remat(policy=policy.jax_policy(offload),
+               prevent_cse=policy.prevent_cse,
+               names=(CARRY, INPUTS, OUTPUTS), group_size=group_size,
+               offload_group_carry=group_carry)
 
 
 # -- the module ------------------------------------------------------------------------
@@ -524,61 +398,64 @@ def _check_signature(block, path, n_args, kw_names):
     ) from None
 
 
-def _run(self, block, config, fold, x, args, kwargs):
+def _run(self, block, config: 'StackConfig', fold, x, args, kwargs):
   path = self.scope.path_text
-  length, mode = config['length'], config['mode']
-  axes = _normalize_in_axes(config['in_axes'], len(args), path)
+  axes = _normalize_in_axes(config.in_axes, len(args), path)
   _check_signature(block, path, len(args), tuple(kwargs))
   for i, (arg, axis) in enumerate(zip(args, axes)):
     if axis == 0:
-      _check_per_layer(path, i, arg, length)
-  per_layer = tuple(a for a, axis in zip(args, axes) if axis == 0)
-  shared = [a for a, axis in zip(args, axes) if axis is broadcast]
-  policy = config['policy']
-  if config['pipeline'] is not None and not fold:
+      _check_per_layer(path, i, arg, config.length)
+  pipeline = config.pipeline
+  if pipeline is not None and not fold:
     raise errors.StackError(
         f'Stack at {path}: a pipelined stack folds (stack(x)); stack.scan '
         'has no pipelined form.')
-  if config['pipeline'] is not None:
-    pipelining.note_stack(self.scope.path, config['pipeline'])
-    given = pipelining.substituted(config['pipeline'], self.scope.path, x)
+  if pipeline is not None:
+    pipelining.note_stack(self.scope.path, pipeline)
+    given = pipelining.substituted(pipeline, self.scope.path, x)
     if given is not None:  # 1F1B: the loop ran the stack on this microbatch
       return given
-  name = block.__name__
-  block_call = block.__call__
-
-  def call_block(module, c, per):
-    it_per, it_shared = iter(per), iter(shared)
-    merged = [next(it_per) if axis == 0 else next(it_shared) for axis in axes]
-    return block_call(module, c, *merged, **kwargs)
-
-  def transform(scope_fn):
-
-    def layer_fn(scopes, c, per):
-      if policy is not None:
-        c = _tag(c, CARRY)
-        per = _tag(per, INPUTS)
-      out = scope_fn(scopes, c, per)
-      c, ys = _check_carry(path, name, fold, c, out)
-      if policy is not None:
-        ys = _tag(ys, OUTPUTS)
-      return c, ys
-
-    return _stack_transform(layer_fn, length=length, policy=policy, mode=mode,
-                            unroll=config['unroll'],
-                            metadata_params=config['metadata_params'],
-                            path=path, pipeline=config['pipeline'],
-                            site=(block, fold, axes, length, policy, mode,
-                                  config['unroll'], config['pipeline']))
-
-  c, ys = call_lifted(self, transform, (call_block,), ('__call__',), (), {},
-                      (x, per_layer), {}, cls=block)
-  return c if fold else (c, ys)
+  loop = dict(
+      length=config.length, fold=fold, in_axes=axes,
+      rolled=config.mode == 'scan', unroll=config.unroll,
+      remat=_remat(config.policy, path),
+      metadata_params=dict(config.metadata_params),
+      site=(block, fold, axes, config),
+      explain=_Explain(path, block.__name__, fold, config.length),
+      schedule=None if pipeline is None else _Pipelined(pipeline, path),
+      name='Stack')
+  return call_lifted(self, layer_scan, (block.__call__,), ('__call__',), (),
+                     loop, (x,) + tuple(args), kwargs, cls=block)
 
 
-def Stack(block, length: int, *, policy=None, mode: str = 'scan',  # pylint: disable=invalid-name
-          in_axes=broadcast, unroll: int = 1,
-          metadata_params: dict | None = None, pipeline=None):
+@dataclasses.dataclass(frozen=True)
+class StackConfig:
+  """The configuration of a stack class, as ``Stack`` was called.
+
+  Attributes:
+    length: the number of layers.
+    policy: the rematerialization policy, or None.
+    mode: ``'scan'`` or ``'unrolled'``.
+    in_axes: the per-argument layer axes (``0`` or ``broadcast``).
+    unroll: passed to ``lax.scan``.
+    pipeline: the ``nn.Pipeline``, or None.
+    metadata_params: the boxed variables' layer-axis parameters (not
+      compared: they change no trace).
+  """
+  length: int
+  policy: StackPolicy | None
+  mode: str
+  in_axes: Any
+  unroll: int
+  pipeline: Any
+  metadata_params: Mapping[str, Any] = dataclasses.field(compare=False)
+
+
+def Stack(block: type[Module], length: int, *,  # pylint: disable=invalid-name
+          policy: 'StackPolicy | str | bool | None' = None,
+          mode: str = 'scan', in_axes: Any = broadcast, unroll: int = 1,
+          metadata_params: Mapping[str, Any] | None = None,
+          pipeline: 'pipelining.Pipeline | None' = None) -> type[Module]:
   """A Module class holding ``length`` stacked copies of ``block``.
 
   Args:
@@ -606,7 +483,25 @@ def Stack(block, length: int, *, policy=None, mode: str = 'scan',  # pylint: dis
 
   Returns:
     A subclass ``Stack{Block}`` of ``block`` whose ``__call__`` folds and
-    whose ``scan`` method scans.
+    whose ``scan`` method scans; its ``stack_config`` is the
+    :class:`StackConfig` built from these arguments.
+
+  Raises:
+    TransformTargetError: ``block`` is not a Module class.
+    ValueError: ``length``, ``mode`` or ``policy`` is not one of the values
+      above, or ``pipeline`` does not fit the stack.
+
+  >>> import jax, jax.numpy as jnp, liftmods as nn
+  >>> class Scanned(nn.Module):
+  ...   @nn.compact
+  ...   def __call__(self, x):
+  ...     y = nn.Dense(x.shape[-1])(x)
+  ...     return x + y, y.sum()
+  >>> Layers = nn.Stack(Scanned, length=3, policy='nested')
+  >>> (x, sums), variables = Layers().init_with_output(
+  ...     jax.random.key(0), jnp.ones((2, 4)), method='scan')
+  >>> x.shape, sums.shape, Layers.stack_config.length
+  ((2, 4), (3,), 3)
   """
   if not (inspect.isclass(block) and issubclass(block, Module)):
     raise errors.TransformTargetError(block)
@@ -617,11 +512,13 @@ def Stack(block, length: int, *, policy=None, mode: str = 'scan',  # pylint: dis
                      f'{mode!r}.')
   policy = StackPolicy.of(policy)
   pipelining.check_stack(pipeline, length, policy, mode)
-  config = dict(pipeline=pipeline,
+  config = StackConfig(
       length=length, policy=policy, mode=mode,
-      in_axes=in_axes, unroll=unroll,
-      metadata_params=({meta.PARTITION_NAME: 'layers'}
-                       if metadata_params is None else dict(metadata_params)))
+      in_axes=tuple(in_axes) if isinstance(in_axes, list) else in_axes,
+      unroll=unroll, pipeline=pipeline,
+      metadata_params=types.MappingProxyType(
+          {meta.PARTITION_NAME: 'layers'} if metadata_params is None else
+          dict(metadata_params)))
 
   def __call__(self, x, *args, **kwargs):  # pylint: disable=invalid-name
     return _run(self, block, config, True, x, args, kwargs)
@@ -632,21 +529,33 @@ def Stack(block, length: int, *, policy=None, mode: str = 'scan',  # pylint: dis
   __call__.__doc__ = f'Folds x through the {length} layers.'
   scan.__doc__ = (f'Scans x through the {length} layers; returns (x, '
                   'per-layer outputs stacked on axis 0).')
-  cls = type('Stack' + block.__name__, (block,),
-             {'__call__': __call__, 'scan': scan, '__module__':
-              block.__module__})
-  cls.stack_config = property(lambda self: dict(config))
-  return cls
+  return type('Stack' + block.__name__, (block,),
+              {'__call__': __call__, 'scan': scan, 'stack_config': config,
+               '__module__': block.__module__})
 
 
 # -- layouts ----------------------------------------------------------------------------
 
 
-def unstack_layers(stacked, prefix: str = 'layers',
-                   metadata_params: dict | None = None) -> dict:
-  """Splits a stacked tree (leading layer axis) into per-layer trees named
-  ``{prefix}_0 ... {prefix}_{L-1}``, the names an unscanned Linen model
-  gives its layers. Boxed values lose their layer-axis name.
+def unstack_layers(stacked: Mapping[str, Any], prefix: str = 'layers',
+                   metadata_params: Mapping[str, Any] | None = None
+                   ) -> dict[str, Any]:
+  """Splits a stacked tree into one tree per layer.
+
+  The names are ``{prefix}_0 ... {prefix}_{L-1}``, the ones an unscanned
+  Linen model gives its layers; boxed values lose their layer-axis name.
+
+  Args:
+    stacked: a variable tree whose arrays share a leading layer axis.
+    prefix: the layers' name before ``_i``.
+    metadata_params: the boxes' layer-axis parameters; default
+      ``{nn.PARTITION_NAME: 'layers'}``.
+
+  Returns:
+    ``{f'{prefix}_{i}': layer i's tree}``.
+
+  Raises:
+    ValueError: the tree has no arrays, or their leading axes differ.
 
   >>> import jax.numpy as jnp
   >>> layers = unstack_layers({'Dense_0': {'bias': jnp.zeros((3, 2))}})
@@ -664,13 +573,28 @@ def unstack_layers(stacked, prefix: str = 'layers',
       raise ValueError('unstack_layers: every array needs the same leading '
                        f'layer axis; found shapes {jnp.shape(leaves[0])} and '
                        f'{jnp.shape(leaf)}.')
-  return {f'{prefix}_{i}': _take(tree, i) for i in range(length)}
+  return {f'{prefix}_{i}': jax.tree_util.tree_map(lambda a, i=i: a[i], tree)
+          for i in range(length)}
 
 
-def stack_layers(layers: dict, prefix: str = 'layers',
-                 metadata_params: dict | None = None):
-  """Inverse of :func:`unstack_layers`: stacks ``{prefix}_i`` entries (all
-  ``i`` from 0, same structure) along a new leading axis.
+def stack_layers(layers: Mapping[str, Any], prefix: str = 'layers',
+                 metadata_params: Mapping[str, Any] | None = None) -> Any:
+  """Stacks per-layer trees on a new leading axis (the inverse of
+  :func:`unstack_layers`).
+
+  Args:
+    layers: ``{f'{prefix}_{i}': tree}`` for every ``i`` from 0, all trees of
+      the same structure.
+    prefix: the layers' name before ``_i``.
+    metadata_params: the boxes' layer-axis parameters; default
+      ``{nn.PARTITION_NAME: 'layers'}``.
+
+  Returns:
+    One tree whose arrays have a leading axis of ``len(layers)``.
+
+  Raises:
+    ValueError: an entry is not named ``{prefix}_i``, indices are missing,
+      or the trees differ in structure.
 
   >>> import jax.numpy as jnp
   >>> tree = stack_layers({'layers_0': {'w': jnp.zeros(2)},

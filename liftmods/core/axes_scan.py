@@ -2,8 +2,9 @@
 loop-invariant ("broadcast") inputs and outputs, plus the carry checks.
 
 ``scan_with_broadcast`` knows nothing about scopes: it loops a pure
-``body(broadcast_in, carry, *xs)``. ``liftmods.core.lift.scan`` feeds it the
-packed variable groups, and ``nn.Stack`` shares its rng-counter replay.
+``body(broadcast_in, carry, *xs)``. The two loops over scopes,
+``liftmods.core.lift.scan`` and ``liftmods.core.layer_scan``, share the
+prologue here (``slice_groups``) and the carry check (``carry_mismatch``).
 """
 import jax
 from jax import lax
@@ -11,7 +12,10 @@ from jax.extend import linear_util as lu
 from jax.interpreters import partial_eval as pe
 
 from liftmods import errors
-from liftmods.core.pack import broadcast, describe_aval, typeof, var_name
+from liftmods.core import meta
+from liftmods.core.pack import (broadcast, check_variable_axes, describe_aval,
+                                split_keys, typeof, var_name)
+from liftmods.core.rng_counters import trace_loop
 
 
 def _abstract(x, scanned: bool):
@@ -67,20 +71,12 @@ def scan_with_broadcast(body, in_axes, out_axes, length, reverse, unroll,
   """
   out_broadcast = any(axis is broadcast for axis in jax.tree_util.tree_leaves(
       out_axes, is_leaf=lambda x: x is broadcast))
+  first_trace = check_invariants and (writes_broadcast or out_broadcast)
+  if out_broadcast and not check_invariants:
+    raise ValueError('scan with check_constancy_invariants=False cannot '
+                     'return outputs with out_axes=broadcast.')
 
   def run(broadcast_in, init, *args):
-    if rng_replay is not None and not out_broadcast:
-      replayed = rng_replay.replayed(
-          lambda verify: traced(broadcast_in, init, args, False, verify))
-      if replayed is not None:
-        return replayed[0]
-    if rng_replay is None:
-      return traced(broadcast_in, init, args, True, None)
-    out = traced(broadcast_in, init, args, True, None)
-    rng_replay.record(*out[3])
-    return out[:3]
-
-  def traced(broadcast_in, init, args, invariants, verify):
     xs = jax.tree_util.tree_map(_to_front, in_axes, args)
 
     def full_inputs(x_slice):
@@ -88,67 +84,84 @@ def scan_with_broadcast(body, in_axes, out_axes, length, reverse, unroll,
           lambda axis, arg, x: arg if axis is broadcast else x, in_axes,
           args, x_slice)
 
-    consts_out = None
-    if invariants and check_invariants and (writes_broadcast or out_broadcast):
-      in_avals = (jax.tree_util.tree_map(lambda x: _abstract(x, False), init),
-                  jax.tree_util.tree_map(lambda x: _abstract(x, True), xs))
-      flat_avals, in_tree = jax.tree_util.tree_flatten(in_avals)
-      out_trees = []
+    def step(b_in, carry, x_slice):
+      return body(b_in, carry, *full_inputs(x_slice))
 
-      def invariant_part(*flat):
-        carry, x_slice = jax.tree_util.tree_unflatten(in_tree, flat)
-        b_out, _, ys = body(broadcast_in, carry, *full_inputs(x_slice))
+    def first():
+      if not first_trace:
+        return broadcast_in, None
+      return _invariant_outputs(step, broadcast_in, init, xs, out_axes,
+                                explain)
+
+    def loop(first_out, verify):
+      b_in, consts_out = (broadcast_in, None) if first_out is None else first_out
+      carry, ys = _loop(step, b_in, init, xs, out_axes, verify,
+                        not check_invariants, explain, length, reverse, unroll,
+                        split_transpose)
+      if consts_out is not None:
         ys = jax.tree_util.tree_map(
-            lambda axis, y: y if axis is broadcast else (), out_axes, ys)
-        flat_out, out_tree = jax.tree_util.tree_flatten((b_out, ys))
-        out_trees.append(out_tree)
-        return flat_out
+            lambda axis, const, y: const if axis is broadcast else y,
+            out_axes, consts_out, ys)
+      return b_in, carry, ys
 
-      debug = jax.api_util.debug_info('liftmods scan (loop invariants)',
-                                      invariant_part, tuple(flat_avals), {})
-      _, out_pvals, _ = pe.trace_to_jaxpr_nounits(
-          lu.wrap_init(invariant_part, debug_info=debug),
-          [pe.PartialVal.unknown(a) for a in flat_avals])
-      dependent = [i for i, pval in enumerate(out_pvals)
-                   if not pval.is_known()]
-      out_tree = out_trees[-1]
-      if dependent:
-        positions = jax.tree_util.tree_unflatten(
-            out_tree, list(range(out_tree.num_leaves)))
-        paths = {i: path for path, i in
-                 jax.tree_util.tree_flatten_with_path(positions)[0]}
-        raise errors.BroadcastVariableError(explain(paths[dependent[0]]))
-      broadcast_in, consts_out = jax.tree_util.tree_unflatten(
-          out_tree, [pval.get_known() for pval in out_pvals])
-    elif out_broadcast and not check_invariants:
-      raise ValueError('scan with check_constancy_invariants=False cannot '
-                       'return outputs with out_axes=broadcast.')
-    after_first = rng_replay.state() if rng_replay is not None else None
-
-    unchecked = not check_invariants and consts_out is None
-
-    def loop_body(carry, x_slice):
-      b_out, carry, ys = body(broadcast_in, carry, *full_inputs(x_slice))
-      if unchecked:
-        _check_nothing_broadcast_made(broadcast_in, b_out, explain)
-      if verify is not None:
-        verify()
-      ys = jax.tree_util.tree_map(
-          lambda axis, y: () if axis is broadcast else y, out_axes, ys)
-      return carry, ys
-
-    carry, ys = lax.scan(loop_body, init, xs, length=length, reverse=reverse,
-                         unroll=unroll, _split_transpose=split_transpose)
-    ys = jax.tree_util.tree_map(_from_front, out_axes, ys)
-    if consts_out is not None:
-      ys = jax.tree_util.tree_map(
-          lambda axis, const, y: const if axis is broadcast else y, out_axes,
-          consts_out, ys)
-    if rng_replay is not None and verify is None:
-      return broadcast_in, carry, ys, (after_first, rng_replay.state())
-    return broadcast_in, carry, ys
+    # Outputs that are broadcast come from the first trace: never skip it.
+    return trace_loop(None if out_broadcast else rng_replay, first, loop)
 
   return run
+
+
+def _invariant_outputs(step, broadcast_in, init, xs, out_axes, explain):
+  """``(broadcast_out, broadcast ys)`` from one trace of ``step`` with the
+  carry and the scanned slice abstract; raises when any of it depends on
+  them."""
+  in_avals = (jax.tree_util.tree_map(lambda x: _abstract(x, False), init),
+              jax.tree_util.tree_map(lambda x: _abstract(x, True), xs))
+  flat_avals, in_tree = jax.tree_util.tree_flatten(in_avals)
+  out_trees = []
+
+  def invariant_part(*flat):
+    carry, x_slice = jax.tree_util.tree_unflatten(in_tree, flat)
+    b_out, _, ys = step(broadcast_in, carry, x_slice)
+    ys = jax.tree_util.tree_map(
+        lambda axis, y: y if axis is broadcast else (), out_axes, ys)
+    flat_out, out_tree = jax.tree_util.tree_flatten((b_out, ys))
+    out_trees.append(out_tree)
+    return flat_out
+
+  debug = jax.api_util.debug_info('liftmods scan (loop invariants)',
+                                  invariant_part, tuple(flat_avals), {})
+  _, out_pvals, _ = pe.trace_to_jaxpr_nounits(
+      lu.wrap_init(invariant_part, debug_info=debug),
+      [pe.PartialVal.unknown(a) for a in flat_avals])
+  dependent = [i for i, pval in enumerate(out_pvals) if not pval.is_known()]
+  out_tree = out_trees[-1]
+  if dependent:
+    positions = jax.tree_util.tree_unflatten(
+        out_tree, list(range(out_tree.num_leaves)))
+    paths = {i: path for path, i in
+             jax.tree_util.tree_flatten_with_path(positions)[0]}
+    raise errors.BroadcastVariableError(explain(paths[dependent[0]]))
+  return jax.tree_util.tree_unflatten(
+      out_tree, [pval.get_known() for pval in out_pvals])
+
+
+def _loop(step, broadcast_in, init, xs, out_axes, verify, unchecked, explain,
+          length, reverse, unroll, split_transpose):
+  """The ``lax.scan`` itself; the ys of broadcast out axes are ``()``."""
+
+  def loop_body(carry, x_slice):
+    b_out, carry, ys = step(broadcast_in, carry, x_slice)
+    if unchecked:
+      _check_nothing_broadcast_made(broadcast_in, b_out, explain)
+    if verify is not None:
+      verify()
+    ys = jax.tree_util.tree_map(
+        lambda axis, y: () if axis is broadcast else y, out_axes, ys)
+    return carry, ys
+
+  carry, ys = lax.scan(loop_body, init, xs, length=length, reverse=reverse,
+                       unroll=unroll, _split_transpose=split_transpose)
+  return carry, jax.tree_util.tree_map(_from_front, out_axes, ys)
 
 
 def _check_nothing_broadcast_made(broadcast_in, broadcast_out, explain):
@@ -164,59 +177,89 @@ def _check_nothing_broadcast_made(broadcast_in, broadcast_out, explain):
                   created_unchecked=True))
 
 
-def check_carry(kind, scopes, vars_in, vars_out, c_in, c_out):
-  """Raises ScanCarryError if the carry changed structure, shape or dtype."""
+def slice_groups(kind, scopes, variable_groups, axes, rng_groups, splits,
+                 size, source, metadata_params, explain_axis=None):
+  """What one iteration of a loop sees of the packed groups.
 
-  def leaf_problem(a, b):
-    a_aval, b_aval = typeof(a), typeof(b)
-    if a_aval is None or b_aval is None:
-      return None
-    if tuple(a_aval.shape) != tuple(b_aval.shape) or (
-        a_aval.dtype != b_aval.dtype and not getattr(a_aval, 'weak_type', 0)):
-      return (f'went in as {describe_aval(a_aval)} and came out as '
-              f'{describe_aval(b_aval)}')
+  The prologue every loop shares: each variable group loses its loop axis
+  (``axes``, one per group; boxed values through ``metadata_params``),
+  checked to be of ``size`` (``source`` says where the size came from;
+  ``explain_axis`` may word the error, see ``check_variable_axes``); each rng
+  group is split ``size`` ways where its ``splits`` flag is set.
+
+  Returns:
+    ``(sliced variable groups, rng groups)``.
+  """
+  sliced = tuple(meta.remove_axis(group, axis, metadata_params)
+                 for group, axis in zip(variable_groups, axes))
+  check_variable_axes(kind, scopes, sliced, axes, size, source,
+                      explain=explain_axis)
+  keys = tuple(split_keys(group, size) if split else group
+               for group, split in zip(rng_groups, splits))
+  return sliced, keys
+
+
+def _leaf_problem(a, b):
+  a_aval, b_aval = typeof(a), typeof(b)
+  if a_aval is None or b_aval is None:
     return None
+  if tuple(a_aval.shape) != tuple(b_aval.shape) or (
+      a_aval.dtype != b_aval.dtype and not getattr(a_aval, 'weak_type', 0)):
+    return (f'went in as {describe_aval(a_aval)} and came out as '
+            f'{describe_aval(b_aval)}')
+  return None
 
-  for scope, cols_in, cols_out in zip(scopes, vars_in, vars_out):
-    for col in sorted(set(cols_in) | set(cols_out)):
-      flat_in = dict(jax.tree_util.tree_flatten_with_path(
-          cols_in.get(col, {}))[0])
-      flat_out = dict(jax.tree_util.tree_flatten_with_path(
-          cols_out.get(col, {}))[0])
-      added = [p for p in flat_out if p not in flat_in]
-      removed = [p for p in flat_in if p not in flat_out]
-      if added or removed:
-        what = []
-        if added:
-          what.append('created ' + ', '.join(
-              f'"{var_name(p)}"' for p in added))
-        if removed:
-          what.append('dropped ' + ', '.join(
-              f'"{var_name(p)}"' for p in removed))
-        raise errors.ScanCarryError(
-            f'{kind} at {scope.path_text}: the body {" and ".join(what)} in '
-            f'carried collection "{col}"; carried variables must exist '
-            'before the loop and keep their structure. Initialize them '
-            'outside the loop.')
-      for path, leaf in flat_in.items():
-        problem = leaf_problem(leaf, flat_out[path])
-        if problem:
-          raise errors.ScanCarryError(
-              f'{kind} at {scope.path_text}: carried variable '
-              f'"{var_name(path)}" of collection "{col}" {problem}; a '
-              'carry must keep its shape and dtype across iterations.')
+
+def carry_mismatch(c_in, c_out) -> str | None:
+  """How a loop body's carry changed (its structure, or an entry's shape or
+  dtype), as a sentence about "the body"; None when it did not."""
   in_leaves, in_tree = jax.tree_util.tree_flatten_with_path(c_in)
   out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(c_out)
   if in_tree != out_tree:
-    raise errors.ScanCarryError(
-        f'{kind} at {scopes[0].path_text}: the body returned a carry with '
-        f'structure {out_tree}, but it received {in_tree}; a carry must keep '
-        'its structure.')
+    return (f'the body returned a carry with structure {out_tree}, but it '
+            f'received {in_tree}; a carry must keep its structure.')
   for (path, a), (_, b) in zip(in_leaves, out_leaves):
-    problem = leaf_problem(a, b)
+    problem = _leaf_problem(a, b)
     if problem:
       entry = jax.tree_util.keystr(path)
       what = f'carry entry {entry}' if entry else 'carry'
+      return (f'the {what} {problem}; a carry must keep its shape and dtype '
+              'across iterations.')
+  return None
+
+
+def check_carry(kind, scopes, vars_in, vars_out, c_in, c_out):
+  """Raises ScanCarryError if the carried variables or the carry changed
+  structure, shape or dtype."""
+  for scope, cols_in, cols_out in zip(scopes, vars_in, vars_out):
+    for col in sorted(set(cols_in) | set(cols_out)):
+      _check_carried_collection(kind, scope, col, cols_in.get(col, {}),
+                                cols_out.get(col, {}))
+  mismatch = carry_mismatch(c_in, c_out)
+  if mismatch:
+    raise errors.ScanCarryError(f'{kind} at {scopes[0].path_text}: {mismatch}')
+
+
+def _check_carried_collection(kind, scope, col, before, after):
+  flat_in = dict(jax.tree_util.tree_flatten_with_path(before)[0])
+  flat_out = dict(jax.tree_util.tree_flatten_with_path(after)[0])
+  added = [p for p in flat_out if p not in flat_in]
+  removed = [p for p in flat_in if p not in flat_out]
+  if added or removed:
+    what = []
+    if added:
+      what.append('created ' + ', '.join(f'"{var_name(p)}"' for p in added))
+    if removed:
+      what.append('dropped ' + ', '.join(f'"{var_name(p)}"' for p in removed))
+    raise errors.ScanCarryError(
+        f'{kind} at {scope.path_text}: the body {" and ".join(what)} in '
+        f'carried collection "{col}"; carried variables must exist before '
+        'the loop and keep their structure. Initialize them outside the '
+        'loop.')
+  for path, leaf in flat_in.items():
+    problem = _leaf_problem(leaf, flat_out[path])
+    if problem:
       raise errors.ScanCarryError(
-          f'{kind} at {scopes[0].path_text}: the {what} {problem}; a carry '
-          'must keep its shape and dtype across iterations.')
+          f'{kind} at {scope.path_text}: carried variable '
+          f'"{var_name(path)}" of collection "{col}" {problem}; a carry must '
+          'keep its shape and dtype across iterations.')

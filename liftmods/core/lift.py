@@ -18,8 +18,9 @@ the keys drawn are bit-identical to ``flax.core.lift``.
 
 This module holds map_variables, vmap, scan, the loops and branches and
 remat; the rest lives next to it and is re-exported here: ``pack`` and the
-axis markers (``core.pack``), scan's loop engine (``core.axes_scan``), rng
-counter snapshots (``core.rng_counters``), ``jit``/``fold_rngs``
+axis markers (``core.pack``), scan's loop engine (``core.axes_scan``), the
+loop over stacked layers (``core.layer_scan``), rng counter snapshots
+(``core.rng_counters``), ``jit``/``fold_rngs``
 (``core.lifted_jit``) and the differentiation transforms
 (``core.autodiff``).
 
@@ -45,9 +46,11 @@ from jax import random
 from liftmods import errors
 from liftmods.core import meta
 from liftmods.core.autodiff import custom_vjp, jvp, value_and_grad, vjp
-from liftmods.core.axes_scan import check_carry, scan_with_broadcast
+from liftmods.core.axes_scan import (check_carry, scan_with_broadcast,
+                                     slice_groups)
 from liftmods.core.filters import in_filter, intersect, is_empty, subtract
 from liftmods.core.frozen_dict import FrozenDict  # pylint: disable=unused-import
+from liftmods.core.layer_scan import layer_scan
 from liftmods.core.lifted_jit import fold_rngs, jit
 from liftmods.core.pack import T  # pylint: disable=unused-import
 from liftmods.core.pack import (In, Out, broadcast, check_variable_axes,
@@ -63,7 +66,7 @@ __all__ = [
     'In', 'Out', 'broadcast', 'pack', 'map_variables', 'swap_collection',
     'vmap', 'scan', 'while_loop', 'fori_loop', 'cond', 'switch', 'checkpoint',
     'remat', 'remat_scan', 'jit', 'fold_rngs', 'custom_vjp', 'vjp', 'jvp',
-    'value_and_grad',
+    'value_and_grad', 'layer_scan',
 ]
 
 
@@ -276,12 +279,9 @@ def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable
                        'length= or scanned inputs.')
 
     broadcast_vars, carry_vars = variable_groups[0], variable_groups[1]
-    scan_vars = tuple(
-        meta.remove_axis(group, axis, metadata_params)
-        for group, axis in zip(variable_groups[2:], var_in_axes))
-    check_variable_axes('scan', scopes, scan_vars, var_in_axes, n, source)
-    rng_groups = tuple(split_keys(group, n) if split else group
-                       for group, split in zip(rng_groups, rng_splits))
+    scan_vars, rng_groups = slice_groups(
+        'scan', scopes, variable_groups[2:], var_in_axes, rng_groups,
+        rng_splits, n, source, metadata_params)
 
     def body(broadcast_in, carry, scan_in, rngs, xs):
       carry_in, c = carry

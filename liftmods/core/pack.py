@@ -410,8 +410,6 @@ def split_keys(group, n, reshard_to=None):
 
 def _axis_error(kind, scope, col, path, shape, axis, size, source):
   where = f'variable "{var_name(path)}" of collection "{col}"'
-  if kind == 'Stack':
-    return _stack_length_error(scope, where, shape, size)
   if len(shape) <= (axis if axis >= 0 else -axis - 1):
     got = f'has shape {shape}, which has no axis {axis}'
   else:
@@ -422,19 +420,6 @@ def _axis_error(kind, scope, col, path, shape, axis, size, source):
       'check variable_axes and the axis size, or re-initialize.')
 
 
-def _stack_length_error(scope, where, shape, length):
-  """nn.Stack stores layers on axis 0: a mismatch is a checkpoint saved for
-  another number of layers."""
-  if not shape:
-    got = f'has shape {shape}, with no layer axis'
-  else:
-    got = f'has shape {shape}: the checkpoint has {shape[0]} layers'
-  return errors.VariableAxisError(
-      f'Stack at {scope.path_text}: {where} {got}, the stack {length}. Load '
-      f'variables saved for {length} layers, build the stack with the '
-      "checkpoint's length, or re-initialize.")
-
-
 def _axis_matches(shape, axis, size):
   ndim = len(shape)
   if not -ndim <= axis < ndim:
@@ -442,8 +427,13 @@ def _axis_matches(shape, axis, size):
   return shape[axis] == size
 
 
-def check_variable_axes(kind, scopes, groups, axes, size, source):
-  """Every leaf of a mapped collection must have ``axis`` of ``size``."""
+def check_variable_axes(kind, scopes, groups, axes, size, source,
+                        explain=None):
+  """Every leaf of a mapped collection must have ``axis`` of ``size``.
+
+  ``explain(scope, where, shape)``, when given, words the error instead
+  (``where`` names the variable and its collection).
+  """
   for group, axis in zip(groups, axes):
     if axis is None or axis is broadcast:
       continue
@@ -454,8 +444,12 @@ def check_variable_axes(kind, scopes, groups, axes, size, source):
             for path, bad in jax.tree_util.tree_flatten_with_path(
                 collection)[0]:
               if not _axis_matches(shape_of(bad), axis, size):
-                raise _axis_error(kind, scope, col, path, shape_of(bad), axis,
-                                  size, source)
+                shape = shape_of(bad)
+                if explain is not None:
+                  raise explain(scope, f'variable "{var_name(path)}" of '
+                                f'collection "{col}"', shape)
+                raise _axis_error(kind, scope, col, path, shape, axis, size,
+                                  source)
 
 
 def infer_axis_size(kind, noun, inputs, in_axes, args, unmapped, given,

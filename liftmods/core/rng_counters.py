@@ -17,9 +17,12 @@ child dict per scope pushed below it. A snapshot is the same tree as nested
 
 Lifted transforms that trace a body more often than it runs use these to
 make the counters advance exactly as a single Linen run would: lifted jit
-replays a cached call's effect (``changes``/``apply_changes``), scan and
-``nn.Stack`` replay the effect of the extra trace they skip (``RngReplay``).
+replays a cached call's effect (``changes``/``apply_changes``); the loops
+(``lift.scan``, ``layer_scan``) replay the effect of the extra trace they
+skip (``RngReplay`` through ``trace_loop``, the one driver).
 """
+from typing import Any, Callable
+
 from liftmods.core.caching import BoundedCache, hashable_flags
 
 
@@ -143,19 +146,6 @@ class RngReplay:
                 hashable_flags(scopes[0].flags), self.before)
     self.hit = self.cache.get(self.key)
 
-  def replayed(self, trace):
-    """``(out,)`` of ``trace(verify)`` run from the recorded counters, or
-    None (counters as before) when nothing is recorded or the trace moved
-    them differently; ``trace`` calls ``verify()`` after its loop body."""
-    if self.hit is None:
-      return None
-    self.set(self.hit[0])
-    try:
-      return (trace(self.verify),)
-    except _ReplayMismatch:
-      self.set(self.before)
-      return None
-
   def state(self) -> tuple:
     """The scopes' counters now."""
     return snapshot_scopes(self.scopes)
@@ -169,3 +159,38 @@ class RngReplay:
   def verify(self):
     if self.state() != self.hit[1]:
       raise _ReplayMismatch
+
+
+def trace_loop(replay: RngReplay | None, first: Callable[[], Any],
+               loop: Callable[[Any, Callable[[], None] | None], Any]) -> Any:
+  """Traces a loop whose body Linen traces once more beforehand.
+
+  ``first()`` is that extra trace (its counter effect is what Linen's keys
+  depend on); ``loop(first_out, verify)`` traces the loop, calling
+  ``verify()`` after its body when ``verify`` is not None. With a recorded
+  ``replay`` hit, the counters jump to their recorded post-``first`` state
+  and ``loop(None, replay.verify)`` runs alone; if the body then moves the
+  counters differently, they are put back and both run. Every full run is
+  recorded in ``replay`` (when given).
+
+  Args:
+    replay: the site's ``RngReplay``, or None to always run both.
+    first: the extra trace.
+    loop: the loop's trace.
+
+  Returns:
+    What ``loop`` returns.
+  """
+  if replay is not None and replay.hit is not None:
+    replay.set(replay.hit[0])
+    try:
+      return loop(None, replay.verify)
+    except _ReplayMismatch:
+      replay.set(replay.before)
+  first_out = first()
+  if replay is None:
+    return loop(first_out, None)
+  after_first = replay.state()
+  out = loop(first_out, None)
+  replay.record(after_first, replay.state())
+  return out

@@ -29,13 +29,6 @@ import liftmods.state
 
 NAMESPACES = (liftmods, liftmods.state, liftmods.compat, liftmods.core)
 
-# Pending the rework of liftmods/stack.py and liftmods/pipeline.py that is
-# in progress (those files document their own API when it lands). Only names
-# that exist and still lack docs may stay here: the list can only shrink.
-PENDING = {
-    'liftmods.Stack', 'liftmods.stack_layers', 'liftmods.unstack_layers',
-}
-
 # Parameters a callable need not document or annotate, with the reason.
 EXEMPT_PARAMS = {
     # Every Module subclass gets these two keyword-only fields from
@@ -194,17 +187,7 @@ def test_counts():
 @pytest.mark.parametrize('name', sorted(CALLABLES))
 def test_public_callable_is_typed_and_documented(name):
   found = problems(CALLABLES[name])
-  if name in PENDING:
-    pytest.skip(f'{name}: pending the stack/pipeline rework')
   assert not found, f'{name}: ' + '; '.join(found)
-
-
-def test_pending_only_names_undocumented_things():
-  """PENDING may not hide anything: each entry exists and still fails."""
-  for name in sorted(PENDING):
-    assert name in CALLABLES, f'{name} is not a public callable any more'
-    assert problems(CALLABLES[name]), (
-        f'{name} is typed and documented now: remove it from PENDING')
 
 
 def test_jax_reexports_are_exempt_only_by_module():
