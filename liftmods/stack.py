@@ -308,7 +308,8 @@ class _Pipelined:
   def takes_over(self, scopes, stacked) -> bool:
     return not pipelining.initializing(scopes, stacked)
 
-  def run(self, layer, policy, c, stacked, keys, per_layer, length, scopes):
+  def run_layers(self, layer, policy, c, stacked, keys, per_layer, length,
+                 scopes):
     return pipelining.run(self.pipeline, layer, policy, c, stacked, keys,
                           per_layer, length=length,
                           is_mutable=scopes[0].is_mutable_collection,
@@ -450,6 +451,31 @@ class StackConfig:
   pipeline: Any
   metadata_params: Mapping[str, Any] = dataclasses.field(compare=False)
 
+  @classmethod
+  def of(cls, length: int, policy: Any, mode: str, in_axes: Any, unroll: int,
+         metadata_params: Mapping[str, Any] | None,
+         pipeline: Any) -> 'StackConfig':
+    """The checked configuration of ``Stack``'s arguments (see there).
+
+    Raises:
+      ValueError: ``length``, ``mode``, ``policy`` or ``pipeline`` is
+        invalid.
+    """
+    if not isinstance(length, int) or length < 1:
+      raise ValueError(f'Stack: length must be a positive int; got '
+                       f'{length!r}.')
+    if mode not in ('scan', 'unrolled'):
+      raise ValueError(f"Stack: mode must be 'scan' or 'unrolled'; got "
+                       f'{mode!r}.')
+    policy = StackPolicy.of(policy)
+    pipelining.check_stack(pipeline, length, policy, mode)
+    return cls(length=length, policy=policy, mode=mode,
+               in_axes=tuple(in_axes) if isinstance(in_axes, list) else
+               in_axes, unroll=unroll, pipeline=pipeline,
+               metadata_params=types.MappingProxyType(
+                   {meta.PARTITION_NAME: 'layers'} if metadata_params is None
+                   else dict(metadata_params)))
+
 
 def Stack(block: type[Module], length: int, *,  # pylint: disable=invalid-name
           policy: 'StackPolicy | str | bool | None' = None,
@@ -505,20 +531,8 @@ def Stack(block: type[Module], length: int, *,  # pylint: disable=invalid-name
   """
   if not (inspect.isclass(block) and issubclass(block, Module)):
     raise errors.TransformTargetError(block)
-  if not isinstance(length, int) or length < 1:
-    raise ValueError(f'Stack: length must be a positive int; got {length!r}.')
-  if mode not in ('scan', 'unrolled'):
-    raise ValueError(f"Stack: mode must be 'scan' or 'unrolled'; got "
-                     f'{mode!r}.')
-  policy = StackPolicy.of(policy)
-  pipelining.check_stack(pipeline, length, policy, mode)
-  config = StackConfig(
-      length=length, policy=policy, mode=mode,
-      in_axes=tuple(in_axes) if isinstance(in_axes, list) else in_axes,
-      unroll=unroll, pipeline=pipeline,
-      metadata_params=types.MappingProxyType(
-          {meta.PARTITION_NAME: 'layers'} if metadata_params is None else
-          dict(metadata_params)))
+  config = StackConfig.of(length, policy, mode, in_axes, unroll,
+                          metadata_params, pipeline)
 
   def __call__(self, x, *args, **kwargs):  # pylint: disable=invalid-name
     return _run(self, block, config, True, x, args, kwargs)
@@ -526,8 +540,8 @@ def Stack(block: type[Module], length: int, *,  # pylint: disable=invalid-name
   def scan(self, x, *args, **kwargs):
     return _run(self, block, config, False, x, args, kwargs)
 
-  __call__.__doc__ = f'Folds x through the {length} layers.'
-  scan.__doc__ = (f'Scans x through the {length} layers; returns (x, '
+  __call__.__doc__ = f'Folds x through the {config.length} layers.'
+  scan.__doc__ = (f'Scans x through the {config.length} layers; returns (x, '
                   'per-layer outputs stacked on axis 0).')
   return type('Stack' + block.__name__, (block,),
               {'__call__': __call__, 'scan': scan, 'stack_config': config,

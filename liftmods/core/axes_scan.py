@@ -76,7 +76,7 @@ def scan_with_broadcast(body, in_axes, out_axes, length, reverse, unroll,
     raise ValueError('scan with check_constancy_invariants=False cannot '
                      'return outputs with out_axes=broadcast.')
 
-  def run(broadcast_in, init, *args):
+  def scan_loop(broadcast_in, init, *args):
     xs = jax.tree_util.tree_map(_to_front, in_axes, args)
 
     def full_inputs(x_slice):
@@ -107,7 +107,7 @@ def scan_with_broadcast(body, in_axes, out_axes, length, reverse, unroll,
     # Outputs that are broadcast come from the first trace: never skip it.
     return trace_loop(None if out_broadcast else rng_replay, first, loop)
 
-  return run
+  return scan_loop
 
 
 def _invariant_outputs(step, broadcast_in, init, xs, out_axes, explain):

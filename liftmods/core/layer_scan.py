@@ -28,6 +28,7 @@ It shares its prologue (``axes_scan.slice_groups``), its carry check
 ((2, 3), (4, 3, 3))
 """
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Hashable, Protocol, Sequence
 
@@ -91,7 +92,7 @@ class Schedule(Protocol):
   def takes_over(self, scopes: Sequence[Any], stacked: Any) -> bool:
     """Whether the schedule runs this call (False: the plain loop runs)."""
 
-  def run(self, layer: Callable[..., Any], policy: Callable[..., Any] | None,
+  def run_layers(self, layer: Callable[..., Any], policy: Callable[..., Any] | None,
           c: Any, stacked: Any, keys: Any, per_layer: tuple, length: int,
           scopes: Sequence[Any]) -> tuple:
     """``(carry, per-layer variables out)`` of the layers on the schedule;
@@ -158,58 +159,61 @@ def layer_scan(fn: Callable[..., Any], *, length: int, fold: bool = True,
   Raises:
     ValueError: ``in_axes`` does not have one entry per argument.
   """
-  metadata_params = {} if metadata_params is None else metadata_params
+  loop = _LayerLoop(fn, length, fold, tuple(in_axes), rolled, unroll, remat,
+                    {} if metadata_params is None else metadata_params, site,
+                    explain, schedule, name)
+  return pack(loop.packed, (True,), (True,), (True,), name=name,
+              enable_kwargs=True)
 
-  def inner(scope_fn, repack_fn, variable_groups, rng_groups, c, *args,
-            **kwargs):
-    scopes = outer_scopes(scope_fn)
-    why = explain or _Generic(name, scopes[0].path_text, length)
-    if len(in_axes) != len(args):
-      raise ValueError(f'{name}: in_axes has {len(in_axes)} entries for '
-                       f'{len(args)} arguments after the carry.')
+
+@dataclasses.dataclass(frozen=True)
+class _LayerLoop:
+  """The arguments of one ``layer_scan``; ``packed`` is its ``pack`` body."""
+  fn: Callable[..., Any]
+  length: int
+  fold: bool
+  in_axes: tuple
+  rolled: bool
+  unroll: int
+  remat: Remat | None
+  metadata_params: dict
+  site: Hashable
+  explain: Explain | None
+  schedule: Schedule | None
+  name: str
+
+  def packed(self, make_scopes, repack, variable_groups, rng_groups, c,
+             *args, **kwargs):
+    scopes = outer_scopes(make_scopes)
+    why = self.explain or _Generic(self.name, scopes[0].path_text,
+                                   self.length)
+    if len(self.in_axes) != len(args):
+      raise ValueError(f'{self.name}: in_axes has {len(self.in_axes)} '
+                       f'entries for {len(args)} arguments after the carry.')
     (stacked,), (keys,) = slice_groups(
-        name, scopes, variable_groups, (0,), rng_groups, (True,), length,
-        'length', metadata_params, why.axis)
-    per_layer = tuple(a for a, axis in zip(args, in_axes) if axis == 0)
-    shared = tuple(a for a, axis in zip(args, in_axes) if axis is broadcast)
+        self.name, scopes, variable_groups, (0,), rng_groups, (True,),
+        self.length, 'length', self.metadata_params, why.axis)
+    per_layer = tuple(a for a, ax in zip(args, self.in_axes) if ax == 0)
+    shared = tuple(a for a, ax in zip(args, self.in_axes) if ax is broadcast)
     xs = (stacked, keys, per_layer)
-
-    def layer_args(per):
-      per_it, shared_it = iter(per), iter(shared)
-      return [next(per_it) if axis == 0 else next(shared_it)
-              for axis in in_axes]
-
-    def make_layer(verify):
-      def layer(c_in, sliced):
-        variables, layer_keys, per = sliced
-        if remat is not None:
-          c_in, per = _tag(c_in, remat.names[0]), _tag(per, remat.names[1])
-        inner_scopes = scope_fn((variables,), (layer_keys,))
-        out = fn(inner_scopes, c_in, *layer_args(per), **kwargs)
-        c_out, ys = _split_output(out, fold, c_in, why)
-        if remat is not None:
-          ys = _tag(ys, remat.names[2])
-        if verify is not None:
-          verify()
-        return c_out, (ys, repack_fn(inner_scopes)[0])
-      return layer
-
+    make_layer = functools.partial(self.layer, make_scopes, repack, why,
+                                   shared, kwargs)
+    schedule = self.schedule
     scheduled = schedule is not None and schedule.takes_over(scopes, stacked)
 
     def loop(_, verify):
-      layer = make_layer(verify)
       if scheduled:
-        c_out, var_out = schedule.run(
-            layer, remat and remat.policy, c, stacked, keys, per_layer,
-            length, scopes)
+        c_out, var_out = schedule.run_layers(
+            make_layer(verify), self.remat and self.remat.policy, c, stacked,
+            keys, per_layer, self.length, scopes)
         return c_out, ((), var_out)
-      return _all_layers(_checkpointed(layer, remat, rolled), c, xs, length,
-                         snapshot_scopes(scopes), scopes, rolled, unroll,
-                         remat)
+      return self.all_layers(make_layer(verify), c, xs,
+                             snapshot_scopes(scopes), scopes)
 
     replay = None
     if has_rngs(rng_groups):  # Linen's scan traces a layer once beforehand
-      replay = RngReplay(scopes, (site, jax.tree_util.tree_structure((c, xs))))
+      replay = RngReplay(scopes, (self.site,
+                                  jax.tree_util.tree_structure((c, xs))))
 
     def first():
       if replay is not None:
@@ -218,10 +222,58 @@ def layer_scan(fn: Callable[..., Any], *, length: int, fold: bool = True,
     c, (ys, var_out) = trace_loop(replay, first, loop)
     if schedule is not None and not scheduled:
       var_out = schedule.store(var_out)
-    var_out = meta.add_axis(var_out, 0, metadata_params)
-    return (c if fold else (c, ys)), (var_out,)
+    var_out = meta.add_axis(var_out, 0, self.metadata_params)
+    return (c if self.fold else (c, ys)), (var_out,)
 
-  return pack(inner, (True,), (True,), (True,), name=name, enable_kwargs=True)
+  def layer(self, make_scopes, repack, why, shared, kwargs, verify):
+    """``layer(c, (variables, keys, per_layer)) -> (c, (ys, variables))``,
+    one layer of the loop; ``verify()`` runs after it when given."""
+    remat = self.remat
+
+    def layer(c_in, sliced):
+      variables, layer_keys, per = sliced
+      if remat is not None:
+        c_in, per = _tag(c_in, remat.names[0]), _tag(per, remat.names[1])
+      inner_scopes = make_scopes((variables,), (layer_keys,))
+      per_it, shared_it = iter(per), iter(shared)
+      args = [next(per_it) if axis == 0 else next(shared_it)
+              for axis in self.in_axes]
+      out = self.fn(inner_scopes, c_in, *args, **kwargs)
+      c_out, ys = _split_output(out, self.fold, c_in, why)
+      if remat is not None:
+        ys = _tag(ys, remat.names[2])
+      if verify is not None:
+        verify()
+      return c_out, (ys, repack(inner_scopes)[0])
+
+    return layer
+
+  def all_layers(self, layer, c, xs, ready, scopes):
+    """Every layer, flat or grouped, each traced from the counters
+    ``ready``."""
+    remat, rolled = self.remat, self.rolled
+    if remat is not None:
+      cse = rolled is False if remat.prevent_cse is None else remat.prevent_cse
+      layer = jax.checkpoint(layer, policy=remat.policy, prevent_cse=cse)
+
+    def layers(c, sliced, n):
+      if rolled:
+        restore_scopes(scopes, ready)
+        return lax.scan(layer, c, sliced, length=n, unroll=self.unroll)
+      outs = []
+      for i in range(n):
+        restore_scopes(scopes, ready)
+        c, out = layer(c, _take(sliced, i))
+        outs.append(out)
+      return c, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
+
+    group = None
+    if remat is not None and remat.group_size is not None:
+      group = remat.group_size(self.length, _nbytes(c), _nbytes(xs))
+    if group is None or group >= self.length:
+      return layers(c, xs, self.length)
+    return _grouped(layers, c, xs, self.length, group,
+                    remat.offload_group_carry, rolled)
 
 
 def _split_output(out, fold, c_in, why):
@@ -236,37 +288,6 @@ def _split_output(out, fold, c_in, why):
   if mismatch:
     raise why.carry(c_in, out, mismatch)
   return c_out, ys
-
-
-def _checkpointed(layer, remat, rolled):
-  if remat is None:
-    return layer
-  cse = remat.prevent_cse
-  return jax.checkpoint(layer, policy=remat.policy,
-                        prevent_cse=(not rolled) if cse is None else cse)
-
-
-def _all_layers(layer, c, xs, length, ready, scopes, rolled, unroll, remat):
-  """Every layer, flat or grouped, each traced from the counters ``ready``."""
-
-  def layers(c, sliced, n):
-    if rolled:
-      restore_scopes(scopes, ready)
-      return lax.scan(layer, c, sliced, length=n, unroll=unroll)
-    outs = []
-    for i in range(n):
-      restore_scopes(scopes, ready)
-      c, out = layer(c, _take(sliced, i))
-      outs.append(out)
-    return c, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
-
-  group = None
-  if remat is not None and remat.group_size is not None:
-    group = remat.group_size(length, _nbytes(c), _nbytes(xs))
-  if group is None or group >= length:
-    return layers(c, xs, length)
-  return _grouped(layers, c, xs, length, group, remat.offload_group_carry,
-                  rolled)
 
 
 def _grouped(layers, c, xs, length, group, offload_name, rolled):

@@ -304,25 +304,7 @@ def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable
       check_carry('scan', scopes, carry_in, carry_out, c, c_out)
       return broadcast_out, (carry_out, c_out), (ys, scan_out)
 
-    def explain(path, created_unchecked=False):
-      if path[0].idx == 0 and len(path) >= 3:
-        scope = scopes[path[1].idx]
-        col = path[2].key
-        what = (f'scan at {scope.path_text}: broadcast variable '
-                f'"{var_name(path[3:])}" of collection "{col}"')
-        if created_unchecked:
-          return (f'{what} is created inside the loop, but '
-                  'check_constancy_invariants=False skips the run that '
-                  'computes broadcast variables, so it would be lost. Create '
-                  'it before the loop, or keep the check on.')
-        return (f'{what} depends on the '
-                'carry or on the scanned inputs (or split rngs). A broadcast '
-                'collection must be the same for all iterations: do not '
-                'write it from loop-dependent values, or list it in '
-                'variable_axes/variable_carry instead.')
-      return (f'scan at {scopes[0].path_text}: output '
-              f'{jax.tree_util.keystr(path[1:])} has out_axes=broadcast but '
-              'depends on the loop.')
+    explain = functools.partial(_explain_broadcast, scopes)
 
     mutable_broadcast = any(
         not is_empty(intersect(s.mutable, variable_broadcast)) for s in scopes)
@@ -351,6 +333,28 @@ def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable
   return pack(inner, (variable_broadcast, variable_carry) + in_filters,
               (variable_broadcast, variable_carry) + out_filters,
               rng_filters, name='scan')
+
+
+def _explain_broadcast(scopes, path, created_unchecked=False):
+  """The message for a broadcast value of a scan that is not loop
+  invariant; ``path`` leads to it in ``(broadcast variables, ys)``."""
+  if path[0].idx == 0 and len(path) >= 3:
+    scope = scopes[path[1].idx]
+    col = path[2].key
+    what = (f'scan at {scope.path_text}: broadcast variable '
+            f'"{var_name(path[3:])}" of collection "{col}"')
+    if created_unchecked:
+      return (f'{what} is created inside the loop, but '
+              'check_constancy_invariants=False skips the run that computes '
+              'broadcast variables, so it would be lost. Create it before the '
+              'loop, or keep the check on.')
+    return (f'{what} depends on the carry or on the scanned inputs (or split '
+            'rngs). A broadcast collection must be the same for all '
+            'iterations: do not write it from loop-dependent values, or list '
+            'it in variable_axes/variable_carry instead.')
+  return (f'scan at {scopes[0].path_text}: output '
+          f'{jax.tree_util.keystr(path[1:])} has out_axes=broadcast but '
+          'depends on the loop.')
 
 
 # -- loops and branches -------------------------------------------------------------
