@@ -217,9 +217,6 @@ def vmap(fn: Callable[..., Any], variable_axes: Mapping, split_rngs: Mapping,
   return pack(inner, in_filters, out_filters, rng_filters, name='vmap')
 
 
-
-
-
 def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable=dangerous-default-value
          variable_broadcast: Any = False, variable_carry: Any = False,
          split_rngs: Mapping = {},  # pylint: disable=dangerous-default-value

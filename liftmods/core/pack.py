@@ -93,7 +93,6 @@ def unzip2(pairs):
 # -- small helpers --------------------------------------------------------------
 
 
-
 def thaw(tree):
   """A copy of the dict skeleton of ``tree`` (leaves shared), FrozenDicts
   turned into dicts, so that an inner scope can write without touching it."""
@@ -158,8 +157,6 @@ def var_name(path) -> str:
     else:
       parts.append(str(key))
   return '/'.join(parts) if parts else '<collection>'
-
-
 
 
 # -- pack -------------------------------------------------------------------------
@@ -496,7 +493,6 @@ def first_mapped_size(groups, axes):
       if -len(shape) <= axis < len(shape):
         return shape[axis]
   return None
-
 
 
 def flat_axes(prefix, tree):

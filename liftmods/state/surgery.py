@@ -94,8 +94,6 @@ def get(tree: Mapping, path: PathLike) -> Any:
   return node
 
 
-
-
 def drop(tree: Mapping, *paths: PathLike) -> Mapping:
   """``tree`` without the leaves and sub-trees at ``paths``.
 
