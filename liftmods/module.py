@@ -38,7 +38,7 @@ from liftmods.call_context import (  # pylint: disable=unused-import
     InterceptorContext, active_interceptors, current_module,
     disable_named_call, enable_named_call, intercept_methods,
     named_call_enabled, override_named_call, record_calls)
-from liftmods.core import partial_eval
+from liftmods.core import caching, partial_eval
 from liftmods.core import scope as scope_lib
 from liftmods.core.filters import DenyList, union
 from liftmods.core.frozen_dict import FrozenDict, freeze
@@ -338,6 +338,12 @@ def _freeze_attr(val):
 # tracers it holds) alive for good.
 _adoptions: 'weakref.WeakKeyDictionary[Scope, weakref.WeakValueDictionary]' = (
     weakref.WeakKeyDictionary())
+caching.register('module._adoptions', caching.Policy(
+    holds='the clones of modules held in fields, adopted as children '
+          '(one per outside module)',
+    keyed_on='root scope, then the adopted module\'s id',
+    bound='weak at both levels',
+    cleared='when the root scope is collected'))
 
 _COPY_PICKLE = frozenset(('__getstate__', '__setstate__', '__getnewargs_ex__',
                           '__reduce__', '__reduce_ex__', '__copy__',
@@ -1242,6 +1248,11 @@ def _checked_hash(hash_fn):
 
 
 _VALID_METHODS: 'weakref.WeakKeyDictionary' = weakref.WeakKeyDictionary()
+caching.register('module._VALID_METHODS', caching.Policy(
+    holds='methods `unbound_method` has checked',
+    keyed_on='the method function',
+    bound='weak',
+    cleared='when the function is collected'), clear=_VALID_METHODS.clear)
 
 
 def unbound_method(method: Callable[..., Any]) -> Callable[..., Any]:

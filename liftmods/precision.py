@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from liftmods import errors
+from liftmods.core import caching
 from liftmods.module import Module, current_module, intercept_methods
 
 __all__ = ['Precision', 'PrecisionPolicyError', 'PrecisionPolicyWarning',
@@ -191,7 +192,19 @@ class _Rules:
 
 
 _dtype_fields: dict = {}
+caching.register('precision._dtype_fields', caching.Policy(
+    holds='the (Precision attribute, module field) pairs of a Module class',
+    keyed_on='Module class',
+    bound='one entry per class',
+    cleared='never'), clear=_dtype_fields.clear)
 _KEY_NUMBERS: dict = {}  # policy key -> the number standing for it
+# Not clearable: a number must go on standing for its policy, or a jit
+# trace made under one policy would be reused under another.
+caching.register('precision._KEY_NUMBERS', caching.Policy(
+    holds='the small int standing for a policy in jit\'s cache key',
+    keyed_on='a policy\'s rules',
+    bound='one entry per distinct policy',
+    cleared='never'))
 _KEY_LOCK = threading.Lock()
 
 
@@ -292,6 +305,12 @@ class _PolicyInterceptor:
 
 
 _warned: set = set()
+caching.register('precision._warned', caching.Policy(
+    holds='path globs already warned about for matching no module (each '
+          'warning is given once)',
+    keyed_on='path glob',
+    bound='one entry per glob',
+    cleared='never'))
 
 # The active policy as part of jax.jit's cache key, so that a function
 # jitted outside a policy block is traced again inside it (and vice versa).

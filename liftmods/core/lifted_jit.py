@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import jax
 
-from liftmods.core import rng_counters
+from liftmods.core import caching, rng_counters
 from liftmods.core.caching import BoundedCache, hashable_filter, hashable_flags
 from liftmods.core.filters import union
 from liftmods.core.pack import Packing, pack
@@ -35,6 +35,13 @@ class _JitEntry:
 
 # Compiled functions kept per lifted jit (each holds its own jax.jit caches).
 JIT_CACHE_LIMIT = 128
+caching.register('core.lifted_jit.jit.cache', caching.Policy(
+    holds='compiled entries of one `jit(...)` (for `nn.jit`: of one lifted '
+          'method, made on its first bound call)',
+    keyed_on='`hash_key` (`_ModuleKey`: module configuration), mutability, '
+             'flags, scope-tree structure, counters before',
+    bound=f'{JIT_CACHE_LIMIT} entries per jitted function',
+    cleared='on eviction; with the jitted function'), bounded=True)
 
 
 def jit(fn: Callable[..., Any], variables: Any = True, rngs: Any = True,
@@ -84,7 +91,7 @@ def jit(fn: Callable[..., Any], variables: Any = True, rngs: Any = True,
   filters, rng_filters = (variables,), (rngs,)
   out_union = union(False, variables)
   context = _JitContext()
-  cache = BoundedCache(JIT_CACHE_LIMIT)
+  cache = BoundedCache(JIT_CACHE_LIMIT, name='core.lifted_jit.jit.cache')
 
   def new_entry():
     # A fresh function object per entry so that JAX's own caches (which key

@@ -22,6 +22,7 @@ import numpy as np
 
 from liftmods import errors
 from liftmods.config import FLAG_VALUES
+from liftmods.core import caching
 
 
 def hash_suffix(suffix: tuple) -> int:
@@ -97,3 +98,10 @@ def _is_key(x) -> bool:
 @functools.lru_cache(maxsize=None)
 def _raw_key_shape() -> tuple:
   return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+
+
+caching.register('core.rngs._raw_key_shape', caching.Policy(
+    holds='the shape of raw key data of the default implementation',
+    keyed_on='nothing (`lru_cache` of no arguments)',
+    bound='1 entry',
+    cleared='never'), clear=_raw_key_shape.cache_clear)

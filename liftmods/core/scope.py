@@ -21,8 +21,6 @@ may be written, so the caller's dict is never mutated).
 """
 import contextlib
 import functools
-import types
-import weakref
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -31,11 +29,11 @@ import numpy as np
 
 from liftmods import errors
 from liftmods.core import meta, partial_eval
-from liftmods.core import filters
-from liftmods.core.caching import BoundedCache
+from liftmods.core import caching, filters
 from liftmods.core.filters import in_filter
 from liftmods.config import FLAG_VALUES
 from liftmods.core.frozen_dict import FrozenDict, freeze, unfreeze
+from liftmods.core.init_shapes import expected_shapes
 from liftmods.core.rngs import LazyKey, as_lazy
 from liftmods.traceback_util import api_boundary
 
@@ -105,6 +103,11 @@ def _is_array(x) -> bool:
 
 
 _ARRAY_TYPES: set = set()  # concrete array and tracer types seen
+caching.register('core.scope._ARRAY_TYPES', caching.Policy(
+    holds='concrete array and tracer types seen by `_is_array`',
+    keyed_on='type',
+    bound='one entry per type',
+    cleared='never'), clear=_ARRAY_TYPES.clear)
 
 
 def _has_boxes(tree) -> bool:
@@ -451,132 +454,11 @@ class Scope:
     return key in self.flags
 
 
-# -- parameter shape checks, cached per (initializer, arguments) -------------
-
-_SHAPE_CACHE = BoundedCache(4096)
-
-
-_VALUE_TYPES = (int, float, complex, bool, str, bytes, type(None), type,
-                np.dtype)
-
-
-class _Uncacheable(Exception):
-  pass
-
-
-_PLAIN = frozenset((int, float, complex, bool, str, bytes, type(None)))
-
-
-def _value_key(x):
-  """``x`` if it is an immutable value (or a tuple of them, or a function
-  keyed by ``_fn_key``); raises _Uncacheable for anything that could change
-  behind the cache's back."""
-  t = type(x)
-  if t in _PLAIN:
-    return x
-  if t is tuple:
-    for v in x:
-      if type(v) not in _PLAIN:
-        return tuple(_value_key(v) for v in x)
-    return x
-  if isinstance(x, _VALUE_TYPES):
-    return x
-  if isinstance(x, (tuple, frozenset)):
-    return type(x)(_value_key(v) for v in x)
-  if callable(x):
-    return _fn_key(x)
-  raise _Uncacheable
-
-
-def _fn_key(fn):
-  """A hashable identity for an initializer that survives re-creation: two
-  closures of the same code over equal immutable values compute the same
-  shapes. Bound methods and closures over mutable objects are not cached."""
-  if isinstance(fn, functools.partial):
-    return (_fn_key(fn.func), _value_key(fn.args),
-            tuple(sorted((k, _value_key(v)) for k, v in fn.keywords.items())))
-  code = getattr(fn, '__code__', None)
-  if code is None or hasattr(fn, '__self__'):
-    if isinstance(fn, type) or getattr(fn, '__module__', None) == 'numpy':
-      return fn
-    raise _Uncacheable
-  cells = tuple(_value_key(c.cell_contents) for c in (fn.__closure__ or ()))
-  return (code, cells, _value_key(fn.__defaults__ or ()))
-
-
-_LIBRARIES = frozenset(('jax', 'jaxlib', 'numpy', 'liftmods', 'flax',
-                        'ml_dtypes', 'optax', 'functools', 'math'))
-
-
-def _globals_key(fn, seen=None) -> tuple:
-  """The current values of the globals a user-defined initializer reads
-  (library functions are taken as fixed). Recomputed on every check, so a
-  rebound global is never served a stale shape."""
-  if isinstance(fn, functools.partial):
-    return _globals_key(fn.func, seen)
-  module = getattr(fn, '__module__', None) or ''
-  code = getattr(fn, '__code__', None)
-  if code is None or module.partition('.')[0] in _LIBRARIES:
-    return ()
-  seen = set() if seen is None else seen
-  if id(code) in seen:
-    return ()
-  seen.add(id(code))
-  out = []
-  namespace = fn.__globals__
-  for name in code.co_names:
-    if name not in namespace:
-      continue
-    value = namespace[name]
-    if isinstance(value, types.ModuleType):
-      continue
-    if callable(value) and hasattr(value, '__code__'):
-      out.append((name, value, _globals_key(value, seen)))
-    else:
-      out.append((name, _value_key(value)))
-  for cell in fn.__closure__ or ():
-    if callable(cell.cell_contents):
-      out.append(_globals_key(cell.cell_contents, seen))
-  return tuple(out)
-
-
-_FN_KEYS: 'weakref.WeakKeyDictionary' = weakref.WeakKeyDictionary()
-
-
-def _cached_fn_key(fn):
-  try:
-    return _FN_KEYS[fn]
-  except (KeyError, TypeError):
-    key = _fn_key(fn)
-  try:
-    _FN_KEYS[fn] = key
-  except TypeError:  # not weakly referenceable
-    pass
-  return key
-
-
-def _expected_shapes(init_fn, init_args, init_kwargs):
-  try:
-    key = (_cached_fn_key(init_fn), _globals_key(init_fn),
-           _value_key(init_args),
-           tuple(sorted((k, _value_key(v)) for k, v in init_kwargs.items())))
-    hit = _SHAPE_CACHE.get(key)
-    if hit is not None:
-      return hit
-  except (_Uncacheable, TypeError, ValueError):  # no safe key: no caching
-    key = None
-  abstract = jax.eval_shape(
-      lambda: init_fn(jax.random.key(0), *init_args, **init_kwargs))
-  # Boxes are pytrees over their value: the leaves are the abstract arrays.
-  # (Unboxing would apply a box's sharding constraint to them.)
-  shapes = tuple(np.shape(x) for x in jax.tree_util.tree_leaves(abstract))
-  if key is not None:
-    _SHAPE_CACHE[key] = shapes
-  return shapes
+# -- parameter shape checks (the expected shapes are cached in init_shapes) ---
 
 
 def _check_shapes(name, scope, value, init_fn, init_args, init_kwargs):
-  expected = _expected_shapes(init_fn, init_args, init_kwargs)
+  expected = expected_shapes(init_fn, init_args, init_kwargs)
   leaves = (value,) if _is_array(value) else jax.tree_util.tree_leaves(
       value)
   for leaf, shape in zip(leaves, expected):

@@ -43,6 +43,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any as AnyType
 
+from liftmods.core import caching
 from liftmods.module import Module
 from liftmods.state import errors
 
@@ -230,6 +231,13 @@ def _glob_prefix_match(pattern: tuple, keys: tuple) -> bool:
             and match(i + 1, j + 1))
 
   return match(0, 0)
+
+
+caching.register('state.filters._glob_prefix_match.match', caching.Policy(
+    holds='whether a glob from pattern key i matches from path key j',
+    keyed_on='(pattern index, path index)',
+    bound='per call',
+    cleared='when the call returns'))
 
 
 @dataclasses.dataclass(frozen=True)
