@@ -4,8 +4,12 @@ loop-invariant ("broadcast") inputs and outputs, plus the carry checks.
 ``scan_with_broadcast`` knows nothing about scopes: it loops a pure
 ``body(broadcast_in, carry, *xs)``. The two loops over scopes,
 ``liftmods.core.lift.scan`` and ``liftmods.core.layer_scan``, share the
-prologue here (``slice_groups``) and the carry check (``carry_mismatch``).
+prologue here (``slice_groups``), the carry check (``carry_mismatch``) and
+the driver that replays rng counters instead of tracing a body twice
+(``trace_loop``).
 """
+from typing import Any, Callable
+
 import jax
 from jax import lax
 from jax.extend import linear_util as lu
@@ -15,7 +19,7 @@ from liftmods import errors
 from liftmods.core import meta
 from liftmods.core.pack import (broadcast, check_variable_axes, describe_aval,
                                 split_keys, typeof, var_name)
-from liftmods.core.rng_counters import trace_loop
+from liftmods.core.rng_counters import ReplayMismatch, RngReplay
 
 
 def _abstract(x, scanned: bool):
@@ -162,6 +166,40 @@ def _loop(step, broadcast_in, init, xs, out_axes, verify, unchecked, explain,
   carry, ys = lax.scan(loop_body, init, xs, length=length, reverse=reverse,
                        unroll=unroll, _split_transpose=split_transpose)
   return carry, jax.tree_util.tree_map(_from_front, out_axes, ys)
+
+
+def trace_loop(replay: RngReplay | None, first: Callable[[], Any],
+               loop: Callable[[Any, Callable[[], None] | None], Any]) -> Any:
+  """Traces a loop whose body Linen traces once more beforehand.
+
+  ``first()`` is that extra trace (its counter effect is what Linen's keys
+  depend on); ``loop(first_out, verify)`` traces the loop, calling
+  ``verify()`` after its body when ``verify`` is not None. With a recorded
+  ``replay`` hit, the counters jump to their recorded post-``first`` state
+  and ``loop(None, replay.verify)`` runs alone; if the body then moves the
+  counters differently, they are put back and both run. Every full run is
+  recorded in ``replay`` (when given).
+
+  Args:
+    replay: the site's ``RngReplay``, or None to always run both.
+    first: the extra trace.
+    loop: the loop's trace.
+
+  Returns:
+    What ``loop`` returns.
+  """
+  if replay is not None and replay.jump():
+    try:
+      return loop(None, replay.verify)
+    except ReplayMismatch:
+      replay.rewind()
+  first_out = first()
+  if replay is None:
+    return loop(first_out, None)
+  after_first = replay.state()
+  out = loop(first_out, None)
+  replay.record(after_first, replay.state())
+  return out
 
 
 def _check_nothing_broadcast_made(broadcast_in, broadcast_out, explain):

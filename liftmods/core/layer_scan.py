@@ -15,7 +15,7 @@ counters of that scan. On top of the scan it offers:
 
 It shares its prologue (``axes_scan.slice_groups``), its carry check
 (``axes_scan.carry_mismatch``) and its rng replay
-(``rng_counters.trace_loop``) with ``lift.scan``.
+(``axes_scan.trace_loop``) with ``lift.scan``.
 
 >>> import jax, jax.numpy as jnp
 >>> from liftmods.core import init
@@ -40,10 +40,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from liftmods import errors
 from liftmods.core import meta
-from liftmods.core.axes_scan import carry_mismatch, slice_groups
+from liftmods.core.axes_scan import carry_mismatch, slice_groups, trace_loop
 from liftmods.core.pack import broadcast, has_rngs, outer_scopes, pack
 from liftmods.core.rng_counters import (RngReplay, restore_scopes,
-                                        snapshot_scopes, trace_loop)
+                                        snapshot_scopes)
 
 
 @dataclasses.dataclass(frozen=True)

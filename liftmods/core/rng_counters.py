@@ -19,10 +19,8 @@ Lifted transforms that trace a body more often than it runs use these to
 make the counters advance exactly as a single Linen run would: lifted jit
 replays a cached call's effect (``changes``/``apply_changes``); the loops
 (``lift.scan``, ``layer_scan``) replay the effect of the extra trace they
-skip (``RngReplay`` through ``trace_loop``, the one driver).
+skip (``RngReplay``, driven by ``axes_scan.trace_loop`` for both).
 """
-from typing import Any, Callable
-
 from liftmods.core.caching import BoundedCache, hashable_flags
 
 
@@ -116,8 +114,8 @@ def without_zero_children(state: tuple) -> tuple:
 # -- replaying the counter effect of a skipped trace -------------------------
 
 
-class _ReplayMismatch(Exception):
-  pass
+class ReplayMismatch(Exception):
+  """A replayed trace moved the rng counters otherwise than recorded."""
 
 
 class RngReplay:
@@ -135,7 +133,7 @@ class RngReplay:
   ``(after_first_trace, after_loop_trace)`` snapshots.
   """
 
-  cache = BoundedCache(512)
+  cache = BoundedCache(512, name='core.rng_counters.RngReplay.cache')
 
   def __init__(self, scopes, site):
     """``site``: what identifies the traced code and its inputs' structure
@@ -145,6 +143,18 @@ class RngReplay:
     self.key = (site, tuple(s.path for s in scopes),
                 hashable_flags(scopes[0].flags), self.before)
     self.hit = self.cache.get(self.key)
+
+  def jump(self) -> bool:
+    """Sets the counters to the recorded post-first-trace state; False (and
+    nothing changed) when nothing is recorded."""
+    if self.hit is None:
+      return False
+    self.set(self.hit[0])
+    return True
+
+  def rewind(self):
+    """Puts the counters back as they were before ``jump``."""
+    self.set(self.before)
 
   def state(self) -> tuple:
     """The scopes' counters now."""
@@ -158,39 +168,4 @@ class RngReplay:
 
   def verify(self):
     if self.state() != self.hit[1]:
-      raise _ReplayMismatch
-
-
-def trace_loop(replay: RngReplay | None, first: Callable[[], Any],
-               loop: Callable[[Any, Callable[[], None] | None], Any]) -> Any:
-  """Traces a loop whose body Linen traces once more beforehand.
-
-  ``first()`` is that extra trace (its counter effect is what Linen's keys
-  depend on); ``loop(first_out, verify)`` traces the loop, calling
-  ``verify()`` after its body when ``verify`` is not None. With a recorded
-  ``replay`` hit, the counters jump to their recorded post-``first`` state
-  and ``loop(None, replay.verify)`` runs alone; if the body then moves the
-  counters differently, they are put back and both run. Every full run is
-  recorded in ``replay`` (when given).
-
-  Args:
-    replay: the site's ``RngReplay``, or None to always run both.
-    first: the extra trace.
-    loop: the loop's trace.
-
-  Returns:
-    What ``loop`` returns.
-  """
-  if replay is not None and replay.hit is not None:
-    replay.set(replay.hit[0])
-    try:
-      return loop(None, replay.verify)
-    except _ReplayMismatch:
-      replay.set(replay.before)
-  first_out = first()
-  if replay is None:
-    return loop(first_out, None)
-  after_first = replay.state()
-  out = loop(first_out, None)
-  replay.record(after_first, replay.state())
-  return out
+      raise ReplayMismatch

@@ -7,7 +7,8 @@ import pytest
 from liftmods import errors
 from liftmods.core import apply, init, lift
 from liftmods.core.layer_scan import Remat, layer_scan
-from liftmods.core.rng_counters import RngReplay, trace_loop
+from liftmods.core.axes_scan import trace_loop
+from liftmods.core.rng_counters import RngReplay
 
 L = 5
 X = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
