@@ -11,6 +11,12 @@ whether calls are wrapped in ``jax.named_scope`` (Linen's named call).
   ``tabulate``, ``Module.module_paths`` and ``state.module_types`` read
   models this way.
 
+The same recorder (:func:`record`, :func:`note`) gathers the other events
+a tool may want from one run of a model, each of a named
+:class:`EventKind`: the logical names ``with_logical_constraint`` is called
+with (``spmd.record_constraint_names``) and the pipelined stacks
+(``pipeline.record_stage_axes``); ``nn.init_sharded`` reads both.
+
 ``liftmods.module`` re-exports the public names, as Linen's
 ``flax.linen.module`` has them.
 
@@ -86,14 +92,22 @@ class ThreadCalls(threading.local):
   * ``capture_stack``: the ``capture_intermediates`` filter of each
     ``init``/``apply`` in progress, innermost last;
   * ``interceptors``: the registered interceptors, outermost first;
-  * ``recording``: the list :func:`record_calls` fills, or None.
+  * ``records``: for each :class:`EventKind` with a :func:`record` block
+    open, the list or dict of the innermost such block;
+  * ``recording`` (read-only): the list the innermost :func:`record_calls`
+    block fills, or None.
   """
 
   def __init__(self):
     self.module_stack = [None]
     self.capture_stack = []
     self.interceptors = []
-    self.recording = None
+    self.records = {}
+
+  @property
+  def recording(self) -> list | None:
+    """The module calls being recorded in this thread, or None."""
+    return self.records.get(MODULE_CALLS)
 
 
 calls = ThreadCalls()
@@ -208,6 +222,117 @@ def _fn_name(fun) -> str:
 # -- recording ---------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class EventKind:
+  """A kind of event the recorder gathers.
+
+  Kinds compare by identity: use the constants of this module
+  (:data:`MODULE_CALLS`, :data:`CONSTRAINT_NAMES`, :data:`STAGE_AXES`).
+
+  Attributes:
+    name: what the events are, for reading.
+    keyed: events are ``(key, value)`` pairs gathered in a dict (a key
+      seen again keeps its first place and takes the later value); when
+      False they are gathered in a list, in the order they happen.
+    shared: when a :func:`record` block of this kind ends, what it gathered
+      is added to the enclosing block of the kind, so every block sees
+      the events of the blocks inside it; when False only the innermost
+      block sees an event.
+  """
+
+  name: str
+  keyed: bool
+  shared: bool
+
+  def __repr__(self):
+    return f'EventKind({self.name!r})'
+
+
+# A wrapped module method call starting: a ModuleCall (record_calls).
+MODULE_CALLS = EventKind('module calls', keyed=False, shared=False)
+# A logical name passed to with_logical_constraint: ``(name, None)``, the
+# dict being an ordered set (spmd.record_constraint_names).
+CONSTRAINT_NAMES = EventKind('logical constraint names', keyed=True,
+                             shared=True)
+# A pipelined stack called: ``(module path, stage mesh axis)``
+# (pipeline.record_stage_axes).
+STAGE_AXES = EventKind('pipelined stacks', keyed=True, shared=True)
+
+
+@contextlib.contextmanager
+def record(kind: EventKind) -> Iterator[list | dict]:
+  """Gathers the events of ``kind`` this thread notes in the ``with`` body.
+
+  Blocks nest: an event goes to the innermost open block of its kind, and
+  for a ``shared`` kind each block passes what it gathered to the
+  enclosing one when it ends. Other threads are not affected, and blocks
+  of other kinds neither.
+
+  Args:
+    kind: the kind of event to gather.
+
+  Yields:
+    A fresh dict (``kind.keyed``) or list, filled as the body runs.
+
+  >>> with record(STAGE_AXES) as outer:
+  ...   note(STAGE_AXES, (('a',), 'stage'))
+  ...   with record(STAGE_AXES) as inner:
+  ...     note(STAGE_AXES, (('b',), 'pipe'))
+  ...   with record(CONSTRAINT_NAMES) as names:
+  ...     note(CONSTRAINT_NAMES, ('embed', None))
+  >>> inner, outer, names
+  ({('b',): 'pipe'}, {('a',): 'stage', ('b',): 'pipe'}, {'embed': None})
+  """
+  open_records = calls.records
+  outer = open_records.get(kind)
+  mine = {} if kind.keyed else []
+  open_records[kind] = mine
+  try:
+    yield mine
+  finally:
+    if outer is None:
+      del open_records[kind]
+    else:
+      open_records[kind] = outer
+      if kind.shared:
+        if kind.keyed:
+          outer.update(mine)
+        else:
+          outer.extend(mine)
+
+
+def is_recording(kind: EventKind) -> bool:
+  """Whether a :func:`record` block of ``kind`` is open in this thread.
+
+  Lets a caller skip the work of building events nobody gathers.
+
+  Args:
+    kind: the kind of event.
+
+  Returns:
+    True inside such a block.
+  """
+  return kind in calls.records
+
+
+def note(kind: EventKind, event: Any) -> None:
+  """Hands ``event`` to the innermost open :func:`record` block of ``kind``
+  in this thread; does nothing when none is open.
+
+  Args:
+    kind: the kind of event.
+    event: the event; a ``(key, value)`` pair for a keyed kind.
+  """
+  found = calls.records.get(kind)
+  if found is None:
+    return
+  if kind.keyed:
+    key, value = event
+    found[key] = value
+  else:
+    found.append(event)
+
+
 @dataclasses.dataclass
 class ModuleCall:
   """One recorded call of a module method.
@@ -233,32 +358,33 @@ class ModuleCall:
 
   @classmethod
   def enter(cls, module, method: str, args: tuple, kwargs: dict):
-    """Appends the call ``module`` is starting to the recording list and
-    returns it; the caller sets ``outputs`` when the call returns."""
+    """Notes the call ``module`` is starting as a :data:`MODULE_CALLS`
+    event and returns it; the caller sets ``outputs`` when the call
+    returns."""
     call = cls(module.scope.path, module, method, abstract_arrays(args),
                abstract_arrays(kwargs))
-    calls.recording.append(call)
+    note(MODULE_CALLS, call)
     return call
 
 
-@contextlib.contextmanager
-def record_calls():
-  """Yields a list that fills with a :class:`ModuleCall` for every wrapped
-  method call this thread makes in the ``with`` body, in the order the
-  calls start (so a parent comes before the children it calls).
+def record_calls() -> contextlib.AbstractContextManager[list[ModuleCall]]:
+  """Records the module method calls of a ``with`` body.
+
+  The list it yields fills with a :class:`ModuleCall` for every wrapped
+  method call this thread makes in the body, in the order the calls start
+  (so a parent comes before the children it calls): :func:`record` of
+  :data:`MODULE_CALLS`.
 
   Calls of ``setup`` and of unbound modules are left out, and so are
   methods that are never wrapped (see :func:`intercept_methods`). Only the
   innermost of nested ``record_calls`` blocks records; other threads are
   not affected. Run the model under ``jax.eval_shape`` to record without
   computing anything.
+
+  Returns:
+    A context manager yielding the list.
   """
-  outer = calls.recording
-  calls.recording = recorded = []
-  try:
-    yield recorded
-  finally:
-    calls.recording = outer
+  return record(MODULE_CALLS)
 
 
 def is_array(x: Any) -> bool:

@@ -40,7 +40,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from liftmods import errors, spmd
+from liftmods import call_context, errors, spmd
 from liftmods.call_context import split_arrays
 
 
@@ -235,19 +235,16 @@ class Pipeline:
 # -- where a pipelined stack's variables live ----------------------------------------
 
 
-class _StackAxes(threading.local):
-  record: dict | None = None
-
-
-_stack_axes = _StackAxes()
-
-
-@contextlib.contextmanager
-def record_stage_axes():
+def record_stage_axes() -> contextlib.AbstractContextManager[dict]:
   """Collects ``{module path: stage mesh axis}`` for every pipelined stack
   this thread calls inside the ``with`` block. ``nn.init_sharded`` reads
   it: every variable of a pipelined stack has its layer axis (axis 0) on
-  the stage axis, whatever its annotations say.
+  the stage axis, whatever its annotations say. A view on the call
+  recorder (``call_context.record`` of ``STAGE_AXES``): nested blocks each
+  see the stacks of the blocks inside them.
+
+  Returns:
+    A context manager yielding the dict, filled as the block runs.
 
   >>> import jax, jax.numpy as jnp, liftmods as nn
   >>> class Block(nn.Module):
@@ -260,15 +257,13 @@ def record_stage_axes():
   >>> seen   # the stack is the root module here: path ()
   {(): 'stage'}
   """
-  with spmd.recording(_stack_axes) as seen:
-    yield seen
+  return call_context.record(call_context.STAGE_AXES)
 
 
 def note_stack(path: Sequence[str], pipeline: Pipeline) -> None:
   """Records that the stack at module ``path`` is pipelined (for
   :func:`record_stage_axes`; nothing when no recording is active)."""
-  if _stack_axes.record is not None:
-    _stack_axes.record[tuple(path)] = pipeline.axis
+  call_context.note(call_context.STAGE_AXES, (tuple(path), pipeline.axis))
 
 
 def stage_spec(where: str, spec: PartitionSpec, ndim: int,

@@ -19,13 +19,13 @@ import contextlib
 import dataclasses
 import enum
 import functools
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Union
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from liftmods import call_context
 from liftmods.core import meta
 
 # Type aliases under Linen's names, for annotations.
@@ -229,22 +229,17 @@ def is_logical_names(x: Any) -> bool:
   return x is None or (isinstance(x, tuple) and all(map(_is_name, x)))
 
 
-class _NamesSeen(threading.local):
-  record: dict | None = None
-
-
-_names_seen = _NamesSeen()
-
-
-@contextlib.contextmanager
-def record_constraint_names() -> Iterator[dict]:
+def record_constraint_names() -> contextlib.AbstractContextManager[dict]:
   """Collects the logical names ``with_logical_constraint`` is called with.
 
   Only calls in this thread inside the ``with`` block count
-  (``nn.init_sharded`` counts them as uses of the rules).
+  (``nn.init_sharded`` counts them as uses of the rules). A view on the
+  call recorder (``call_context.record`` of ``CONSTRAINT_NAMES``): nested
+  blocks each see the names of the blocks inside them.
 
-  Yields:
-    A dict used as an ordered set of the names, filled as the block runs.
+  Returns:
+    A context manager yielding a dict used as an ordered set of the names,
+      filled as the block runs.
 
   >>> import jax.numpy as jnp
   >>> with record_constraint_names() as seen:
@@ -252,30 +247,15 @@ def record_constraint_names() -> Iterator[dict]:
   >>> list(seen)
   ['batch', 'embed']
   """
-  with recording(_names_seen) as seen:
-    yield seen
+  return call_context.record(call_context.CONSTRAINT_NAMES)
 
 
-@contextlib.contextmanager
-def recording(local: threading.local) -> Iterator[dict]:
-  """A fresh dict in ``local.record`` for the ``with`` block.
-
-  It is merged into the enclosing block's dict (if any) when the block
-  ends.
-
-  Args:
-    local: a ``threading.local`` with a ``record`` attribute.
-
-  Yields:
-    The fresh dict.
-  """
-  outer, local.record = local.record, {}
-  try:
-    yield local.record
-  finally:
-    seen, local.record = local.record, outer
-    if outer is not None:
-      outer.update(seen)
+def _note_names(logical_axis_resources) -> None:
+  for names in jax.tree_util.tree_leaves(logical_axis_resources,
+                                         is_leaf=is_logical_names):
+    for n in names if isinstance(names, tuple) else (names,):
+      if isinstance(n, str):
+        call_context.note(call_context.CONSTRAINT_NAMES, (n, None))
 
 
 def with_logical_constraint(
@@ -299,12 +279,9 @@ def with_logical_constraint(
   Returns:
     ``x``, constrained.
   """
-  if _names_seen.record is not None and logical_axis_resources is not None:
-    for names in jax.tree_util.tree_leaves(logical_axis_resources,
-                                           is_leaf=is_logical_names):
-      _names_seen.record.update(
-          (n, None) for n in (names if isinstance(names, tuple) else (names,))
-          if isinstance(n, str))
+  if (logical_axis_resources is not None
+      and call_context.is_recording(call_context.CONSTRAINT_NAMES)):
+    _note_names(logical_axis_resources)
   if rules is None:
     rules = get_logical_axis_rules()
   if not rules or logical_axis_resources is None:
