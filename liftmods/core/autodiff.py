@@ -51,12 +51,12 @@ def vjp(fn: Callable[..., Any], scope: Any, *primals: Any,
   if reduce_axes:
     raise NotImplementedError('vjp: reduce_axes is no longer supported.')
 
-  def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args):
+  def inner(make_scopes, repack_fn, variable_groups, rng_groups, *args):
     vjp_vars, other_vars = variable_groups
 
     @functools.wraps(fn)
     def pure(vjp_vars, *args):
-      inner_scope = scope_fn((vjp_vars, other_vars), rng_groups)
+      inner_scope = make_scopes((vjp_vars, other_vars), rng_groups)
       if has_aux:
         y, aux = fn(inner_scope, *args)
       else:
@@ -84,10 +84,10 @@ def value_and_grad(fn: Callable[..., Any], scope, *primals,
     raise NotImplementedError(
         'value_and_grad: reduce_axes is no longer supported.')
 
-  def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args):
+  def inner(make_scopes, repack_fn, variable_groups, rng_groups, *args):
     @functools.wraps(fn)
     def pure(*args):
-      inner_scope = scope_fn(variable_groups, rng_groups)
+      inner_scope = make_scopes(variable_groups, rng_groups)
       if has_aux:
         y, aux = fn(inner_scope, *args)
       else:
@@ -128,12 +128,12 @@ def jvp(fn: Callable[..., Any], scope: Any, primals: Sequence[Any],
       for per_scope in treedef.flatten_up_to(variable_tangents))
   target = tuple(variable_tangents[0].keys()) if variable_tangents else ()
 
-  def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args):
+  def inner(make_scopes, repack_fn, variable_groups, rng_groups, *args):
     jvp_vars, other_vars = variable_groups
 
     @functools.wraps(fn)
     def pure(jvp_vars, args):
-      inner_scope = scope_fn((jvp_vars, other_vars), rng_groups)
+      inner_scope = make_scopes((jvp_vars, other_vars), rng_groups)
       y = fn(inner_scope, *args)
       return y, repack_fn(inner_scope)
 
@@ -164,17 +164,17 @@ def custom_vjp(fn: Callable[..., Any], forward_fn: Callable[..., Any],
     ``f(scope, *args)`` with the custom gradient.
   """
 
-  def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args):
+  def inner(make_scopes, repack_fn, variable_groups, rng_groups, *args):
     grad_variables, other_variables = variable_groups
     treedef_box = []
 
     def primal(grad_variables, *args):
-      inner_scope = scope_fn((grad_variables, other_variables), rng_groups)
+      inner_scope = make_scopes((grad_variables, other_variables), rng_groups)
       y = fn(inner_scope, *args)
       return y, repack_fn(inner_scope)
 
     def forward(grad_variables, *args):
-      scopes = scope_fn((grad_variables, other_variables), rng_groups)
+      scopes = make_scopes((grad_variables, other_variables), rng_groups)
       treedef_box.append(_scope_treedef(scopes))
       y, residuals = forward_fn(scopes, *args)
       return (y, repack_fn(scopes)), residuals

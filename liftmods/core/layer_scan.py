@@ -92,9 +92,10 @@ class Schedule(Protocol):
   def takes_over(self, scopes: Sequence[Any], stacked: Any) -> bool:
     """Whether the schedule runs this call (False: the plain loop runs)."""
 
-  def run_layers(self, layer: Callable[..., Any], policy: Callable[..., Any] | None,
-          c: Any, stacked: Any, keys: Any, per_layer: tuple, length: int,
-          scopes: Sequence[Any]) -> tuple:
+  def run_layers(self, layer: Callable[..., Any],
+                 policy: Callable[..., Any] | None, c: Any, stacked: Any,
+                 keys: Any, per_layer: tuple, length: int,
+                 scopes: Sequence[Any]) -> tuple:
     """``(carry, per-layer variables out)`` of the layers on the schedule;
     ``layer(c, (variables, keys, per_layer)) -> (c, (ys, variables))``."""
 

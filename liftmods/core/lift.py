@@ -9,7 +9,7 @@ Variable groups are tuples (one entry per collection filter) of tuples (one
 entry per distinct outer scope) of ``{collection: variables}`` dicts. RNG
 groups have the same layout with ``{sequence_name: key}`` dicts holding plain
 JAX keys; the static part of each sequence (the scope names folded into it
-lazily) stays outside the transform and is re-attached by ``scope_fn``.
+lazily) stays outside the transform and is re-attached by ``make_scopes``.
 
 PRNG sequences and their counters behave exactly as in Flax: the inner scope
 shares the counters of the outer one, so a transform that traces its body
@@ -94,11 +94,11 @@ def map_variables(fn: Callable[..., Any], mapped_collections,
   """
   writes_target = mutable or init
 
-  def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args,
+  def inner(make_scopes, repack_fn, variable_groups, rng_groups, *args,
             **kwargs):
     target, other = variable_groups
     if init:
-      scopes = scope_fn((target, other), rng_groups)
+      scopes = make_scopes((target, other), rng_groups)
       if any(not is_empty(s.mutable)
              for s in jax.tree_util.tree_leaves(
                  scopes, is_leaf=lambda x: isinstance(x, Scope))):
@@ -107,7 +107,7 @@ def map_variables(fn: Callable[..., Any], mapped_collections,
         target = tuple(map_out_fn(x) for x in target)
     target = tuple(map_in_fn(thaw(x)) for x in target)
     narrow = True if writes_target else subtract(True, mapped_collections)
-    scopes = scope_fn((target, other), rng_groups, mutable_filter=narrow)
+    scopes = make_scopes((target, other), rng_groups, mutable_filter=narrow)
     y = fn(scopes, *args, **kwargs)
     out_target, out_other = repack_fn(scopes)
     if writes_target:
@@ -168,8 +168,8 @@ def vmap(fn: Callable[..., Any], variable_axes: Mapping, split_rngs: Mapping,
   rng_filters, rng_splits = unzip2(split_rngs.items())
   rng_axes = tuple(0 if split else None for split in rng_splits)
 
-  def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args):
-    scopes = outer_scopes(scope_fn)
+  def inner(make_scopes, repack_fn, variable_groups, rng_groups, *args):
+    scopes = outer_scopes(make_scopes)
     variable_groups = tuple(
         meta.remove_axis(group, axis, metadata_params) if axis is not None
         else group for group, axis in zip(variable_groups, var_in_axes))
@@ -200,7 +200,7 @@ def vmap(fn: Callable[..., Any], variable_axes: Mapping, split_rngs: Mapping,
 
     @functools.wraps(fn)
     def mapped(variable_groups, rng_groups, args):
-      scope = scope_fn(variable_groups, rng_groups)
+      scope = make_scopes(variable_groups, rng_groups)
       y = fn(scope, *args)
       return y, repack_fn(scope)
 
@@ -267,8 +267,8 @@ def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable
   rng_filters, rng_splits = unzip2(split_rngs.items())
   rng_axes = tuple(0 if split else broadcast for split in rng_splits)
 
-  def inner(scope_fn, repack_fn, variable_groups, rng_groups, init, *args):
-    scopes = outer_scopes(scope_fn)
+  def inner(make_scopes, repack_fn, variable_groups, rng_groups, init, *args):
+    scopes = outer_scopes(make_scopes)
     n, source = infer_axis_size('scan', 'length', 'scanned inputs', in_axes,
                                 args, broadcast, length, 'length')
     if n is None:
@@ -285,7 +285,7 @@ def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable
       groups = (broadcast_in, carry_in) + tuple(scan_in)
       if data_transform is not None:
         groups, rngs = data_transform(groups, rngs)
-      scope = scope_fn(groups, rngs)
+      scope = make_scopes(groups, rngs)
       result = fn(scope, c, *xs)
       if not isinstance(result, (tuple, list)) or len(result) != 2:
         raise errors.ScanCarryError(
@@ -387,8 +387,8 @@ def while_loop(cond_fn: Callable[..., Any], body_fn: Callable[..., Any],
   rng_filters, rng_splits = unzip2(split_rngs.items())
   read_only = subtract(broadcast_variables, carry_variables)
 
-  def inner(scope_fn, repack_fn, variable_groups, rng_groups):
-    scopes = outer_scopes(scope_fn)
+  def inner(make_scopes, repack_fn, variable_groups, rng_groups):
+    scopes = outer_scopes(make_scopes)
     carry_vars, broadcast_vars = variable_groups
 
     def loop_rngs(i):
@@ -415,7 +415,7 @@ def while_loop(cond_fn: Callable[..., Any], body_fn: Callable[..., Any],
 
     def cond_wrapper(state):
       i, loop_vars, carry = state
-      inner_scope = scope_fn((loop_vars, broadcast_vars), loop_rngs(-i),
+      inner_scope = make_scopes((loop_vars, broadcast_vars), loop_rngs(-i),
                              mutable_filter=False)
       try:
         return cond_fn(inner_scope, carry)
@@ -427,7 +427,7 @@ def while_loop(cond_fn: Callable[..., Any], body_fn: Callable[..., Any],
 
     def body_wrapper(state):
       i, loop_vars, carry = state
-      inner_scope = scope_fn((loop_vars, broadcast_vars), loop_rngs(i))
+      inner_scope = make_scopes((loop_vars, broadcast_vars), loop_rngs(i))
       try:
         carry = body_fn(inner_scope, carry)
       except _NOT_FOUND as err:
@@ -519,13 +519,13 @@ def _branch_error(kind, scopes, signatures):
 
 
 def _branches(kind, branches, select, scope, operands, variables, rngs):
-  def inner(scope_fn, repack_fn, variable_groups, rng_groups):
-    scopes = outer_scopes(scope_fn)
+  def inner(make_scopes, repack_fn, variable_groups, rng_groups):
+    scopes = outer_scopes(make_scopes)
     signatures = [None] * len(branches)
 
     def make(index, branch_fn):
       def pure(*ops):
-        inner_scope = scope_fn(variable_groups, rng_groups)
+        inner_scope = make_scopes(variable_groups, rng_groups)
         y = branch_fn(inner_scope, *ops)
         out = repack_fn(inner_scope)
         signatures[index] = _branch_signature(out)
@@ -593,7 +593,7 @@ def checkpoint(fn: Callable[..., Any], variables: Any = True,
     The rematerialized ``f(scope, *args)``.
   """
 
-  def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args,
+  def inner(make_scopes, repack_fn, variable_groups, rng_groups, *args,
             **kwargs):
     if concrete:
       raise NotImplementedError(
@@ -603,7 +603,7 @@ def checkpoint(fn: Callable[..., Any], variables: Any = True,
 
     @functools.wraps(fn)
     def rematted(variable_groups, rng_groups, *args, **kwargs):
-      scope = scope_fn(variable_groups, rng_groups)
+      scope = make_scopes(variable_groups, rng_groups)
       y = fn(scope, *args, **kwargs)
       return y, repack_fn(scope)
 

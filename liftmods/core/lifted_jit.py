@@ -98,7 +98,7 @@ def jit(fn: Callable[..., Any], variables: Any = True, rngs: Any = True,
     # on the function) never mix up traces of different fingerprints.
     def traced(variable_groups, rng_groups, *args, **kwargs):
       packing, hash_key = context.stack[-1]
-      scope = packing.scope_fn(variable_groups, rng_groups,
+      scope = packing.make_scopes(variable_groups, rng_groups,
                                keep_rng_suffix=False)
       y = fn(scope, hash_key, *args, **kwargs)
       return y, packing.repack_fn(scope)
@@ -157,9 +157,9 @@ def fold_rngs(fn: Callable[..., Any], variables=True, rngs=True):
   start from their bare keys (the lazily folded scope names dropped), like
   the inside of ``jit`` but without compiling."""
 
-  def inner(scope_fn, repack_fn, variable_groups, rng_groups, hash_key,
+  def inner(make_scopes, repack_fn, variable_groups, rng_groups, hash_key,
             *args, **kwargs):
-    scope = scope_fn(variable_groups, rng_groups, keep_rng_suffix=False)
+    scope = make_scopes(variable_groups, rng_groups, keep_rng_suffix=False)
     y = fn(scope, hash_key, *args, **kwargs)
     return y, repack_fn(scope)
 

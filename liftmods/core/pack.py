@@ -5,14 +5,14 @@ scope, so it is not a pure function and cannot be handed to ``jax.vmap`` or
 ``jax.lax.scan`` directly. ``pack`` turns it into one: it pulls the variables
 and PRNG keys of the scope(s) out into plain pytrees ("groups"), lets the
 transform carry those groups across the JAX boundary, rebuilds scopes on the
-inside (``scope_fn``), collects what the inside wrote (``repack_fn``) and
+inside (``make_scopes``), collects what the inside wrote (``repack_fn``) and
 writes the mutable part back into the outer scopes.
 
 Variable groups are tuples (one entry per collection filter) of tuples (one
 entry per distinct outer scope) of ``{collection: variables}`` dicts. RNG
 groups have the same layout with ``{sequence_name: key}`` dicts holding plain
 JAX keys; the static part of each sequence (the scope names folded into it
-lazily) stays outside the transform and is re-attached by ``scope_fn``.
+lazily) stays outside the transform and is re-attached by ``make_scopes``.
 
 Also here: the axis markers of ``variable_axes`` (``In``, ``Out``,
 ``broadcast``), the checks that mapped variables have the expected axis
@@ -226,7 +226,7 @@ class Packing:
 
   # Inside the transform.
 
-  def scope_fn(self, variable_groups, rng_groups, mutable_filter=True,
+  def make_scopes(self, variable_groups, rng_groups, mutable_filter=True,
                keep_rng_suffix=True):
     """Fresh scopes (same tree as the outer ones) over the given groups.
 
@@ -345,7 +345,7 @@ def _dedup(leaves):
 def pack(fn: Callable[..., Any], in_variable_filters: Sequence[Any],
          out_variable_filters: Sequence[Any], rng_filters: Sequence[Any],
          name: str | None = None, enable_kwargs: bool = False):
-  """Makes ``fn(scope_fn, repack_fn, variable_groups, rng_groups, *args)``
+  """Makes ``fn(make_scopes, repack_fn, variable_groups, rng_groups, *args)``
   callable as ``wrapper(scope_tree, *args)``.
 
   ``fn`` must return ``(y, out_variable_groups)``: ``y`` is returned to the
@@ -372,7 +372,7 @@ def pack(fn: Callable[..., Any], in_variable_filters: Sequence[Any],
     packing = Packing(scope_tree, out_filters, out_union, kind)
     variable_groups = packing.variable_groups(in_filters)
     rng_groups = packing.rng_groups(rng_filters)
-    y, out_groups = fn(packing.scope_fn, packing.repack_fn, variable_groups,
+    y, out_groups = fn(packing.make_scopes, packing.repack_fn, variable_groups,
                        rng_groups, *args, **kwargs)
     packing.publish(out_groups)
     return y
@@ -380,10 +380,10 @@ def pack(fn: Callable[..., Any], in_variable_filters: Sequence[Any],
   return wrapper
 
 
-def outer_scopes(scope_fn) -> tuple:
-  """The distinct outer scopes behind the ``scope_fn`` a packed function
+def outer_scopes(make_scopes) -> tuple:
+  """The distinct outer scopes behind the ``make_scopes`` a packed function
   received (for error messages and rng-counter bookkeeping)."""
-  return scope_fn.__self__.scopes
+  return make_scopes.__self__.scopes
 
 
 def has_rngs(rng_groups) -> bool:
