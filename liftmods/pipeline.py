@@ -348,6 +348,37 @@ def _select(pred, a, b):
   return jax.tree_util.tree_map(lambda x, y: jnp.where(pred, x, y), a, b)
 
 
+@dataclasses.dataclass(frozen=True)
+class StackSchedule:
+  """A pipeline's schedule as the loop of a stack (a ``Schedule`` of
+  ``core.layer_scan``). It runs every call but ``init``, which creates the
+  variables as the unpipelined stack does and stores them in the
+  pipeline's (stage-major) order.
+
+  Attributes:
+    pipeline: the pipeline.
+    path: the stack's path, for errors.
+  """
+  pipeline: 'Pipeline'
+  path: str
+
+  def takes_over(self, scopes, stacked) -> bool:
+    """False in ``init``: the plain loop creates the variables."""
+    return not initializing(scopes, stacked)
+
+  def run_layers(self, layer, policy, c, stacked, keys, per_layer, length,
+                 scopes):
+    """The layers on the schedule (see :func:`run_schedule`)."""
+    return run_schedule(self.pipeline, layer, policy, c, stacked, keys,
+                        per_layer, length=length,
+                        is_mutable=scopes[0].is_mutable_collection,
+                        path=self.path)
+
+  def store(self, variables):
+    """The plain loop's variables, stage-major."""
+    return self.pipeline.stage_major(variables)
+
+
 def initializing(scopes, stacked) -> bool:
   """Whether the stack is creating its parameters (``init``)."""
   return scopes[0].is_mutable_collection('params') and not (
@@ -424,8 +455,8 @@ def _neighbours(n_stages, step):
   return [(i, (i + step) % n_stages) for i in range(n_stages)]
 
 
-def run(pipeline: Pipeline, layer, policy, c, stacked, keys, per_layer, *,
-        is_mutable, length: int, path: str):
+def run_schedule(pipeline: Pipeline, layer, policy, c, stacked, keys,
+                 per_layer, *, is_mutable, length: int, path: str):
   """Runs ``L`` layers on the carry ``c`` with the pipeline's schedule.
 
   ``layer(c, (variables, keys, per_layer)) -> (c, (ys, mutable_out))`` is

@@ -250,7 +250,7 @@ def offload_supported() -> bool:
   return 'pinned_host' in kinds
 
 
-# -- the stack's errors and schedule, as layer_scan wants them ---------------------------
+# -- the stack's errors and rematerialization, as layer_scan wants them ------------------
 
 
 def _avals(tree):
@@ -295,28 +295,6 @@ class _Explain:
         f'Stack at {scope.path_text}: {where} {got}, the stack {self.length}. '
         f'Load variables saved for {self.length} layers, build the stack with '
         "the checkpoint's length, or re-initialize.")
-
-
-class _Pipelined:
-  """A pipeline's schedule as ``layer_scan.Schedule``: it runs every call
-  but ``init``, which creates the variables as the unpipelined stack does
-  and stores them in the pipeline's (stage-major) order."""
-
-  def __init__(self, pipeline, path: str):
-    self.pipeline, self.path = pipeline, path
-
-  def takes_over(self, scopes, stacked) -> bool:
-    return not pipelining.initializing(scopes, stacked)
-
-  def run_layers(self, layer, policy, c, stacked, keys, per_layer, length,
-                 scopes):
-    return pipelining.run(self.pipeline, layer, policy, c, stacked, keys,
-                          per_layer, length=length,
-                          is_mutable=scopes[0].is_mutable_collection,
-                          path=self.path)
-
-  def store(self, variables):
-    return self.pipeline.stage_major(variables)
 
 
 def _remat(policy: StackPolicy | None, path: str) -> Remat | None:
@@ -423,7 +401,8 @@ def _run(self, block, config: 'StackConfig', fold, x, args, kwargs):
       metadata_params=dict(config.metadata_params),
       site=(block, fold, axes, config),
       explain=_Explain(path, block.__name__, fold, config.length),
-      schedule=None if pipeline is None else _Pipelined(pipeline, path),
+      schedule=(None if pipeline is None else
+                pipelining.StackSchedule(pipeline, path)),
       name='Stack')
   return call_lifted(self, layer_scan, (block.__call__,), ('__call__',), (),
                      loop, (x,) + tuple(args), kwargs, cls=block)
