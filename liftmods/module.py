@@ -371,6 +371,23 @@ def capture_call_intermediates(module: 'Module', method_name: str) -> bool:
   return method_name == '__call__'
 
 
+def named_call_label(module: 'Module', method_name: str) -> str:
+  """The name a method call of ``module`` shows under in profiles.
+
+  Args:
+    module: the module whose method is called.
+    method_name: the method's name.
+
+  Returns:
+    The module's name (or class name), with ``.method_name`` added for
+      methods other than ``__call__``.
+  """
+  label = module.name or type(module).__name__
+  if method_name != '__call__':
+    label = f'{label}.{method_name}'
+  return label
+
+
 DECLINED = object()  # what a ``Module._fast_apply`` returns to decline
 
 
@@ -651,10 +668,7 @@ class Module:
       run = (functools.partial(run_interceptors, fun) if context.interceptors
              else fun)
       if call_context.named_call_enabled() and self.scope is not None:
-        label = self.name or type(self).__name__
-        if fun_name != '__call__':
-          label = f'{label}.{fun_name}'
-        with jax.named_scope(label):
+        with jax.named_scope(named_call_label(self, fun_name)):
           y = run(self, *args, **kwargs)
       else:
         y = run(self, *args, **kwargs)

@@ -18,10 +18,8 @@ Applied to a Module class, a transform returns a subclass (named e.g.
 >>> variables['params']['kernel'].shape
 (3, 4, 2)
 """
-import dataclasses
 import functools
 import inspect
-import types
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
@@ -32,9 +30,8 @@ from liftmods.core import lift
 from liftmods.core import meta
 from liftmods.core.frozen_dict import FrozenDict
 from liftmods.core.scope import Scope, Variable
-from liftmods.call_context import calls
-from liftmods.module import (DECLINED, Module, active_interceptors, any_nested,
-                             named_call_enabled, unbound_method, wrap_method)
+from liftmods.module import (Module, any_nested, named_call_enabled,
+                             named_call_label, unbound_method, wrap_method)
 from liftmods.traceback_util import api_boundary
 # Type aliases Linen code imports from this module (flax.linen.transforms).
 from liftmods.typing import (  # pylint: disable=unused-import
@@ -78,7 +75,15 @@ def _is_slot(x):
   return isinstance(x, (_ModuleSlot, _VariableSlot))
 
 
-def _field_attrs(module: Module) -> dict:
+def field_attrs(module: Module) -> dict:
+  """The module's dataclass fields but ``parent``.
+
+  Args:
+    module: a module.
+
+  Returns:
+    ``{field name: value}``.
+  """
   d = module.__dict__
   return {n: d[n] for n in module._init_field_names if n != 'parent'}
 
@@ -91,7 +96,18 @@ _SCALARS = frozenset((str, int, float, bool))
 _PLAIN_ARG_TYPES = set()  # types seen as call arguments that hold no module
 
 
-def _needs_walk(args, kwargs) -> bool:
+def needs_walk(args: tuple, kwargs: dict | None) -> bool:
+  """Whether call arguments may hold a bound module or Variable.
+
+  Args:
+    args: the call's arguments.
+    kwargs: the call's keyword arguments.
+
+  Returns:
+    False when none can. The types of array arguments are remembered, so a
+      call whose only arguments are positional ones of those types is
+      answered without walking them.
+  """
   if not kwargs:
     for a in args:
       if type(a) not in _PLAIN_ARG_TYPES:
@@ -136,12 +152,12 @@ def get_module_scopes(module: Module, args: tuple = (),
     else:
       x._try_setup(shallow=True)
       scopes.append(x.scope)
-      attrs = jax.tree_util.tree_map(arg_slot, _field_attrs(x), is_leaf=_bound)
+      attrs = jax.tree_util.tree_map(arg_slot, field_attrs(x), is_leaf=_bound)
       slot = _ModuleSlot(type(x), attrs, key)
     seen[key] = slot
     return slot
 
-  if _needs_walk(args, kwargs):
+  if needs_walk(args, kwargs):
     args, kwargs = jax.tree_util.tree_map(arg_slot, (args, kwargs),
                                           is_leaf=_bound)
 
@@ -150,7 +166,7 @@ def get_module_scopes(module: Module, args: tuple = (),
       return
     seen[m._id] = m
     m._try_setup(shallow=True)
-    for v in _field_attrs(m).values():
+    for v in field_attrs(m).values():
       if v is None or type(v) in _SCALARS:
         continue
       for leaf in jax.tree_util.tree_leaves(v, is_leaf=_bound):
@@ -215,7 +231,7 @@ def set_module_scopes(module: Module, args: tuple, kwargs: dict,
 
     attrs = {n: (jax.tree_util.tree_map(field_leaf, v, is_leaf=_bound)
                  if _has_bound(v) else v)
-             for n, v in _field_attrs(m).items()}
+             for n, v in field_attrs(m).items()}
     out = (as_cls or type(m))(parent=next(it), **attrs)
     made[m._id] = out
     return out
@@ -252,6 +268,35 @@ def _scope_fn_for(self, state, fn, fn_name, multi_scope=True, cls=None):
     return out
 
   return scope_fn
+
+
+def call_on_scopes(module: Module, fn: Callable[..., Any], fn_name: str,
+                   scopes: Sequence[Scope], args: tuple, kwargs: dict,
+                   cls: type[Module] | None = None) -> Any:
+  """Calls ``fn`` on a clone of ``module`` bound to ``scopes``.
+
+  What a core transform runs inside: the clone (and the argument modules)
+  are rebuilt on the inner scopes, and the clone's naming state is handed
+  back to ``module`` afterwards.
+
+  Args:
+    module: the bound module whose scopes ``get_module_scopes`` collected.
+    fn: the method's function, ``fn(module, *args, **kwargs)``.
+    fn_name: its name, for error messages.
+    scopes: the inner scopes, in ``get_module_scopes``' order.
+    args: arguments with placeholders from ``get_module_scopes``.
+    kwargs: keyword arguments, likewise.
+    cls: the class of the clone (default: ``module``'s).
+
+  Returns:
+    ``fn``'s output.
+
+  Raises:
+    TransformedMethodReturnValueError: ``fn`` returned a module or Variable.
+  """
+  scope_fn = _scope_fn_for(module, module._state.export(), fn, fn_name,
+                           cls=cls)
+  return scope_fn(scopes, *args, **kwargs)
 
 
 @api_boundary
@@ -296,7 +341,23 @@ def call_lifted(self: Module, transform: Callable[..., Any],
                                                             **kwargs)
 
 
-def _method_args(methods, trafo_args, trafo_kwargs):
+def method_args(methods: Any, trafo_args: tuple,
+                trafo_kwargs: dict) -> dict[str, tuple[tuple, dict]]:
+  """The transform arguments of each method a class transform lifts.
+
+  Args:
+    methods: None (``__call__``), a list of names, or ``{name: transform
+      kwargs}``.
+    trafo_args: positional arguments of the transform.
+    trafo_kwargs: keyword arguments of the transform (unused for a dict of
+      methods, whose values replace them).
+
+  Returns:
+    ``{method name: (trafo_args, trafo_kwargs)}``.
+
+  Raises:
+    ValueError: ``methods`` is none of those.
+  """
   if methods is None:
     return {'__call__': (trafo_args, trafo_kwargs)}
   if isinstance(methods, (list, tuple)):
@@ -307,9 +368,17 @@ def _method_args(methods, trafo_args, trafo_kwargs):
                    f'{{name: transform kwargs}}; got {methods!r}.')
 
 
-def _is_module_class(target) -> bool:
+def is_module_class(target: Any) -> bool:
+  """Whether ``target`` is a Module class or a ``functools.partial`` of one.
+
+  Args:
+    target: what a transform was given.
+
+  Returns:
+    True for a Module class, possibly wrapped in partials.
+  """
   if isinstance(target, functools.partial):
-    return _is_module_class(target.func)
+    return is_module_class(target.func)
   return inspect.isclass(target) and issubclass(target, Module)
 
 
@@ -324,6 +393,7 @@ def _class_method(transform, fn, fn_name, trafo_args, trafo_kwargs, cls):
 
 def lift_class(transform: Callable[..., Any], name: str,
                module_class: Any, *trafo_args: Any, methods: Any = None,
+               lift_method: Callable[..., Any] | None = None,
                **trafo_kwargs: Any) -> Any:
   """A subclass of ``module_class`` whose ``methods`` run under ``transform``.
 
@@ -335,6 +405,9 @@ def lift_class(transform: Callable[..., Any], name: str,
     *trafo_args: positional arguments of ``transform``.
     methods: None (``__call__``), a list of names, or ``{name: transform
       kwargs}``.
+    lift_method: builds each method of the subclass, ``lift_method(fn,
+      fn_name, trafo_args, trafo_kwargs, module_class)``; by default one
+      that runs ``fn`` under ``transform`` with ``call_lifted``.
     **trafo_kwargs: keyword arguments of ``transform``.
 
   Returns:
@@ -343,12 +416,14 @@ def lift_class(transform: Callable[..., Any], name: str,
   partial = None
   if isinstance(module_class, functools.partial):
     partial, module_class = module_class, module_class.func
+  if lift_method is None:
+    lift_method = functools.partial(_class_method, transform)
   lifted = {}
-  for fn_name, (t_args, t_kwargs) in _method_args(
+  for fn_name, (t_args, t_kwargs) in method_args(
       methods, trafo_args, trafo_kwargs).items():
     fn = getattr(module_class, fn_name)
-    lifted[fn_name] = functools.wraps(fn)(_class_method(
-        transform, fn, fn_name, t_args, t_kwargs, module_class))
+    lifted[fn_name] = functools.wraps(fn)(lift_method(
+        fn, fn_name, t_args, t_kwargs, module_class))
   new_cls = type(name.capitalize() + module_class.__name__, (module_class,),
                  lifted)
   if partial is not None:
@@ -403,7 +478,7 @@ def lift_transform(transform: Callable[..., Any], name: str, target: Any,
   Raises:
     TransformTargetError: ``target`` is neither.
   """
-  if _is_module_class(target):
+  if is_module_class(target):
     return lift_class(transform, name, target, *trafo_args, methods=methods,
                       **trafo_kwargs)
   if callable(target) and not isinstance(target, Module):
@@ -431,7 +506,7 @@ def lift_direct(transform: Callable[..., Any],
     TransformTargetError: a target is a Module class.
   """
   for t in targets:
-    if _is_module_class(t):
+    if is_module_class(t):
       raise errors.TransformTargetError(t)
   targets = tuple(unbound_method(t) for t in targets)
   return lift_decorator(lambda *fns: functools.partial(transform, *fns),
@@ -443,18 +518,18 @@ def lift_direct(transform: Callable[..., Any],
 
 # What a module-level transform takes and returns: a Module class (or a
 # functools.partial of one), or a function of a module.
-_Target = type[Module] | functools.partial | Callable[..., Any]
-# Which methods of a Module class to transform (see _method_args).
-_Methods = Sequence[str] | Mapping[str, Mapping[str, Any]] | None
+Target = type[Module] | functools.partial | Callable[..., Any]
+# Which methods of a Module class to transform (see method_args).
+Methods = Sequence[str] | Mapping[str, Mapping[str, Any]] | None
 
 
-def vmap(target: _Target, variable_axes: Mapping[CollectionFilter, InOutAxis] = FrozenDict(),
+def vmap(target: Target, variable_axes: Mapping[CollectionFilter, InOutAxis] = FrozenDict(),
          split_rngs: Mapping[PRNGSequenceFilter, bool] = FrozenDict(),
          in_axes: Any = 0, out_axes: Any = 0, axis_size: int | None = None,
          axis_name: str | None = None,
          spmd_axis_name: str | tuple[str, ...] | None = None,
          metadata_params: Mapping[Any, Any] = {},
-         methods: _Methods = None) -> _Target:
+         methods: Methods = None) -> Target:
   """Vectorizes ``target`` over a batch axis (``jax.vmap`` with variables).
 
   Args:
@@ -490,7 +565,7 @@ def vmap(target: _Target, variable_axes: Mapping[CollectionFilter, InOutAxis] = 
                         spmd_axis_name=spmd_axis_name)
 
 
-def scan(target: _Target,
+def scan(target: Target,
          variable_axes: Mapping[CollectionFilter, InOutScanAxis] = FrozenDict(),
          variable_broadcast: CollectionFilter = False,
          variable_carry: CollectionFilter = False,
@@ -498,9 +573,9 @@ def scan(target: _Target,
          in_axes: Any = 0, out_axes: Any = 0, length: int | None = None,
          reverse: bool = False, unroll: int = 1,
          data_transform: Callable[..., Any] | None = None,
-         metadata_params: Mapping[Any, Any] = {}, methods: _Methods = None,
+         metadata_params: Mapping[Any, Any] = {}, methods: Methods = None,
          _split_transpose: bool = False,
-         check_constancy_invariants: bool = True) -> _Target:
+         check_constancy_invariants: bool = True) -> Target:
   """Loops ``target(carry, *xs) -> (carry, ys)`` over an axis (``lax.scan``).
 
   Args:
@@ -544,12 +619,12 @@ def scan(target: _Target,
       check_constancy_invariants=check_constancy_invariants)
 
 
-def checkpoint(target: _Target, variables: CollectionFilter = True,
+def checkpoint(target: Target, variables: CollectionFilter = True,
                rngs: PRNGSequenceFilter = True, concrete: bool = False,
                prevent_cse: bool = True,
                static_argnums: int | tuple[int, ...] = (),
                policy: Callable[..., bool] | None = None,
-               methods: _Methods = None) -> _Target:
+               methods: Methods = None) -> Target:
   """Recomputes ``target``'s activations in the backward pass (``jax.checkpoint``).
 
   ``nn.remat`` is the same function.
@@ -585,12 +660,12 @@ def checkpoint(target: _Target, variables: CollectionFilter = True,
 remat = checkpoint
 
 
-def remat_scan(target: _Target, lengths: Sequence[int] = (),
+def remat_scan(target: Target, lengths: Sequence[int] = (),
                policy: Callable[..., bool] | None = None,
                variable_broadcast: CollectionFilter = False,
                variable_carry: CollectionFilter = False,
                variable_axes: Mapping[CollectionFilter, InOutScanAxis] = FrozenDict({True: 0}),
-               split_rngs: Mapping[PRNGSequenceFilter, bool] = FrozenDict({True: True})) -> _Target:
+               split_rngs: Mapping[PRNGSequenceFilter, bool] = FrozenDict({True: True})) -> Target:
   """Applies ``target`` ``prod(lengths)`` times as nested rematerialized scans.
 
   Gradient memory then grows like ``n ** (1 / len(lengths))`` for ``n``
@@ -620,14 +695,14 @@ def remat_scan(target: _Target, lengths: Sequence[int] = (),
                         policy=policy)
 
 
-def map_variables(target: _Target,
+def map_variables(target: Target,
                   mapped_collections: CollectionFilter = True,
                   trans_in_fn: Callable[..., Any] = lift.id_fn,
                   trans_out_fn: Callable[..., Any] = lift.id_fn,
                   init: bool = False, mutable: bool = False,
                   rngs: PRNGSequenceFilter = True,
                   variables: CollectionFilter = True,
-                  methods: _Methods = None) -> _Target:
+                  methods: Methods = None) -> Target:
   """Runs ``target`` on a transformed view of some variable collections.
 
   Args:
@@ -918,18 +993,15 @@ def named_call(class_fn: Callable[..., Any],
   def wrapped(self, *args, **kwargs):
     if (not force and not named_call_enabled()) or self._state.in_setup:
       return class_fn(self, *args, **kwargs)
-    name = self.name or type(self).__name__
-    fn_name = getattr(class_fn, '__name__', '')
-    if fn_name != '__call__':
-      name = f'{name}.{fn_name}'
+    name = named_call_label(self, getattr(class_fn, '__name__', ''))
     return jax.named_call(class_fn, name=name)(self, *args, **kwargs)
 
   return wrapped
 
 
-def add_metadata_axis(target: _Target,
+def add_metadata_axis(target: Target,
                       variable_axes: Mapping[str, int] = FrozenDict(),
-                      metadata_params: Mapping[Any, Any] = {}) -> _Target:
+                      metadata_params: Mapping[Any, Any] = {}) -> Target:
   """Adds an axis to the axis metadata of some collections, not to the values.
 
   The axis is added to the metadata (e.g. ``Partitioned`` names) of what
@@ -956,319 +1028,17 @@ def add_metadata_axis(target: _Target,
   return target
 
 
-# -- jit ---------------------------------------------------------------------------------
+# -- jit -----------------------------------------------------------------------
 
+# jit_transform.py lifts with the helpers above, so it is imported once they
+# exist.
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from liftmods import jit_transform
+from liftmods.jit_transform import fold_rngs, jit
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
-class _Identity:
-  """Stands for a value that cannot be hashed: equal only to itself. It
-  holds the value, so a cached key never outlives it (no reuse of ids)."""
-
-  __slots__ = ('value',)
-
-  def __init__(self, value):
-    self.value = value
-
-  def __hash__(self):
-    return id(self.value)
-
-  def __eq__(self, other):
-    return isinstance(other, _Identity) and other.value is self.value
-
-
-def _fingerprint(value):
-  """A hashable stand-in for a field value: modules by class and fields
-  (not their names: the name does not change the computation), containers
-  element-wise, unhashable dataclasses by their fields, anything else that
-  cannot be hashed by identity. The value's own ``__hash__``/``__eq__`` are
-  only used when hashing succeeds."""
-  if isinstance(value, Module):
-    return (type(value), tuple((n, _fingerprint(v))
-                               for n, v in _field_attrs(value).items()
-                               if n != 'name'))
-  if isinstance(value, (list, tuple)):
-    return (type(value), tuple(_fingerprint(v) for v in value))
-  if isinstance(value, (dict, FrozenDict)):
-    return (dict, tuple((k, _fingerprint(v)) for k, v in value.items()))
-  try:
-    hash(value)
-  except Exception:  # pylint: disable=broad-except
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-      return (type(value), tuple(
-          (f.name, _fingerprint(getattr(value, f.name, None)))
-          for f in dataclasses.fields(value)))
-    return _Identity(value)
-  return value
-
-
-def _state_key(module: Module):
-  """What of a module's naming state a trace depends on: setup/compact
-  flags, the auto-name counters, and the names already taken in its scope."""
-  state = module._state
-  key = (state.in_compact, state.in_setup, bool(state.setup_called),
-         tuple(state.autoname.items()) if state.autoname else ())
-  scope = module.scope
-  if scope is not None and scope.reservations:
-    key += (tuple((n, frozenset(c)) for n, c in scope.reservations.items()),)
-  return key
-
-
-class _ModuleKey:
-  """Hashable by what determines the module's computation: its class,
-  configuration and naming state, and the method interceptors active in
-  this thread (e.g. a precision policy), not its name or position. Carries the
-  module itself so that a trace can rebuild it."""
-
-  __slots__ = ('module', 'key', '_hash')
-
-  def __init__(self, module: Module, fingerprint=None):
-    """``fingerprint``: ``_fingerprint(module)`` when the caller has it."""
-    self.module = module
-    if fingerprint is None:
-      fingerprint = _fingerprint(module)
-    self.key = (fingerprint, _state_key(module), active_interceptors())
-    self._hash = hash(self.key)
-
-  @property
-  def interceptors(self) -> tuple:
-    return self.key[2]
-
-  def __hash__(self):
-    return self._hash
-
-  def __eq__(self, other):
-    return isinstance(other, _ModuleKey) and self.key == other.key
-
-
-# Field value types that are their own fingerprint and can hold no bound
-# module or Variable (a function or a class is never a pytree node): numbers,
-# strings, initializers, and dtypes given as classes (``jnp.float32``).
-_KEY_LEAF_TYPES = frozenset((type(None), str, int, float, bool,
-                             types.FunctionType, type, type(jax.numpy.float32)))
-
-
-def _leaf_fingerprint(module: Module):
-  """``_fingerprint(module)`` in one pass when every field is its own
-  fingerprint (the usual case: numbers, strings, initializer functions);
-  None when some field could hold a module or a Variable."""
-  d = module.__dict__
-  fields = []
-  for n in module._init_field_names:
-    if n == 'parent':
-      continue
-    v = d[n]
-    if type(v) not in _KEY_LEAF_TYPES:
-      return None
-    if n != 'name':
-      fields.append((n, v))
-  return (type(module), tuple(fields))
-
-
-def _scopes_and_key(module: Module, args, kwargs):
-  """``get_module_scopes`` and ``_ModuleKey`` of a bound module, in one pass
-  when neither its fields nor the arguments can hold a module."""
-  module._try_setup(shallow=True)
-  fingerprint = _leaf_fingerprint(module)
-  if fingerprint is not None and not _needs_walk(args, kwargs):
-    key = _ModuleKey(module, fingerprint)
-    return [module.scope], args, kwargs or {}, key
-  scopes, args, kwargs = get_module_scopes(module, args, kwargs)
-  return scopes, args, kwargs, _ModuleKey(module)
-
-
-def _fast_apply_for(cls, trafo_kwargs):
-  """A ``Module._fast_apply`` for ``cls``, a class made by ``nn.jit``.
-
-  A plain ``apply`` of such a class (no rngs, nothing mutable, no capture)
-  traces to the same program as ``apply`` of the class it lifts, so one
-  ``jax.jit`` of that apply serves it, keyed by the module's configuration:
-  a repeated call costs about what ``jax.jit(Model().apply)`` costs. The key
-  is built once per module (its fields cannot change after construction)
-  and rebuilt only when the active interceptors change. It declines for
-  subclasses of ``cls``, modules whose fields or arguments may hold
-  modules, and inside another module's call, a recording or a capture.
-  """
-  def run(module_key, variables, *args, **kwargs):
-    # method='__call__' is what method=None means, minus this fast path.
-    return module_key.module.clone(parent=None).apply(
-        variables, *args, method='__call__', **kwargs)
-
-  jitted = _module_keyed_jit(run, trafo_kwargs, before_args=1)
-
-  def fast_apply(module, variables, args, kwargs):
-    if (type(module) is not cls or type(variables) not in (dict, FrozenDict)
-        or calls.module_stack[-1] is not None or calls.capture_stack
-        or calls.recording is not None or _needs_walk(args, kwargs)):
-      return DECLINED
-    key = module.__dict__.get('_fast_apply_key')
-    if key is None or key.interceptors != tuple(calls.interceptors):
-      fingerprint = _leaf_fingerprint(module)
-      if fingerprint is None:
-        return DECLINED
-      key = module.__dict__['_fast_apply_key'] = _ModuleKey(module,
-                                                            fingerprint)
-    return jitted(key, variables, *args, **kwargs)
-
-  return fast_apply
-
-
-def _module_keyed_jit(run, trafo_kwargs, before_args=0):
-  """``jax.jit`` of ``run(module_key, *before, *args)`` with the module key
-  static: nn.jit's argument numbers (``self`` is 0) moved past the
-  ``before_args`` arguments that ``run`` takes ahead of the user's."""
-  def shift(nums):
-    nums = (nums,) if isinstance(nums, int) else nums
-    return tuple(i + before_args for i in nums if i > 0)
-
-  extra = {k: trafo_kwargs[k] for k in ('device', 'backend')
-           if trafo_kwargs.get(k) is not None}
-  return jax.jit(
-      run, static_argnums=(0,) + shift(trafo_kwargs.get('static_argnums', ())),
-      static_argnames=trafo_kwargs.get('static_argnames', ()),
-      donate_argnums=shift(trafo_kwargs.get('donate_argnums', ())), **extra)
-
-
-def _unbound_jit(fn, trafo_kwargs):
-  """``jax.jit`` of ``fn(module, *args)`` for an unbound module (e.g. an
-  ``init_with_output`` override): the module is a static argument, keyed
-  by its configuration, and a clone of it runs inside."""
-  def run(module_key, *args, **kwargs):
-    return fn(module_key.module.clone(parent=None), *args, **kwargs)
-
-  return _module_keyed_jit(run, trafo_kwargs)
-
-
-def _jit_lift(fn, fn_name, cls, trafo_kwargs, transform=lift.jit):
-  """``fn(module, *args)`` under a lifted jit whose compile cache is keyed
-  by the module's configuration (so repeated applies hit it). With
-  ``transform=lift.fold_rngs``: the same rng handling, without compiling."""
-  core = unbound = None
-
-  def scope_fn(scopes, module_key, *args, **kwargs):
-    module = module_key.module
-    return _scope_fn_for(module, module._state.export(), fn, fn_name,
-                         cls=cls)(scopes, *args, **kwargs)
-
-  @api_boundary
-  def lifted(self, *args, **kwargs):
-    nonlocal core, unbound
-    if self.scope is None and transform is lift.jit:
-      if unbound is None:
-        unbound = _unbound_jit(fn, trafo_kwargs)
-      return unbound(_ModuleKey(self), *args, **kwargs)
-    if core is None:
-      core = transform(scope_fn, **trafo_kwargs)
-    # Each rng sequence is replaced by a fresh key made from it (as Linen's
-    # jit does) for the call, and restored afterwards.
-    scope = self.scope
-    saved = scope.rngs
-    if saved:
-      scope.rngs = {name: lift.LazyKey(scope.make_rng(name)) for name in saved}
-    try:
-      scopes, args, kwargs, key = _scopes_and_key(self, args, kwargs)
-      try:
-        return core(scopes, key, *args, **kwargs)
-      finally:
-        key.module = None  # the cache keeps the key: not the bound module
-    finally:
-      scope.rngs = saved
-
-  return lifted
-
-
-def jit(target: _Target, variables: CollectionFilter = True,
-        rngs: PRNGSequenceFilter = True,
-        static_argnums: int | Sequence[int] = (),
-        static_argnames: str | Sequence[str] = (),
-        donate_argnums: int | Sequence[int] = (), device: Any = None,
-        backend: str | None = None, methods: _Methods = None) -> _Target:
-  """Compiles ``target`` with ``jax.jit``.
-
-  Calls with the same module configuration, shapes and rng state hit one
-  compile cache.
-
-  Args:
-    target: a Module class, or a function ``fn(module, *args)``.
-    variables: the collections the compiled function sees.
-    rngs: the rng sequences it sees; each is forked into a fresh key for
-      the call.
-    static_argnums: static arguments; ``self`` counts as argument 0.
-    static_argnames: static keyword arguments.
-    donate_argnums: arguments whose buffers may be reused; ``self`` is 0.
-    device: passed to ``jax.jit``.
-    backend: passed to ``jax.jit``.
-    methods: for a Module class, the methods to compile (None: only
-      ``__call__``; a list of names; or ``{name: transform kwargs}``).
-
-  Returns:
-    A subclass of ``target`` whose methods are compiled, or the compiled
-      function.
-
-  Raises:
-    TransformTargetError: ``target`` is neither a Module class nor callable.
-
-  >>> import jax, jax.numpy as jnp, liftmods as nn
-  >>> JitDense = nn.jit(nn.Dense)
-  >>> variables = JitDense(3).init(jax.random.key(0), jnp.ones((1, 2)))
-  >>> JitDense(3).apply(variables, jnp.ones((1, 2))).shape
-  (1, 3)
-  """
-  kwargs = dict(variables=variables, rngs=rngs, static_argnums=static_argnums,
-                static_argnames=static_argnames,
-                donate_argnums=donate_argnums, device=device, backend=backend)
-  return _jit_like(target, methods, kwargs, 'Jit', lift.jit)
-
-
-def fold_rngs(target: _Target, variables: CollectionFilter = True,
-              rngs: PRNGSequenceFilter = True) -> _Target:
-  """Handles rngs as ``nn.jit`` does, without compiling.
-
-  Each rng sequence is forked into a fresh key first and the inside starts
-  from bare keys, so random numbers match those of the jitted module.
-
-  Args:
-    target: a Module class, or a function ``fn(module, *args)``.
-    variables: the collections ``target`` sees.
-    rngs: the rng sequences ``target`` sees.
-
-  Returns:
-    A subclass of ``target``, or the lifted function.
-
-  Raises:
-    TransformTargetError: ``target`` is neither a Module class nor callable.
-
-  >>> import jax, jax.numpy as jnp, liftmods as nn
-  >>> FoldedDense = nn.fold_rngs(nn.Dense)
-  >>> variables = FoldedDense(3).init(jax.random.key(0), jnp.ones((1, 2)))
-  >>> jit_variables = nn.jit(nn.Dense)(3).init(jax.random.key(0), jnp.ones((1, 2)))
-  >>> bool((variables['params']['kernel'] == jit_variables['params']['kernel']).all())
-  True
-  """
-  return _jit_like(target, None, dict(variables=variables, rngs=rngs),
-                   'Fold_rngs', lift.fold_rngs)
-
-
-def _jit_like(target, methods, kwargs, prefix, transform):
-  """Lifts a module class (its ``methods``) or a function of a module with
-  ``_jit_lift`` over ``transform``."""
-  if _is_module_class(target):
-    partial = None
-    if isinstance(target, functools.partial):
-      partial, target = target, target.func
-    lifted = {}
-    for fn_name, (_, t_kwargs) in _method_args(methods, (), kwargs).items():
-      fn = getattr(target, fn_name)
-      lifted[fn_name] = functools.wraps(fn)(
-          _jit_lift(fn, fn_name, target, t_kwargs, transform))
-    new_cls = type(prefix + target.__name__, (target,), lifted)
-    if transform is lift.jit and '__call__' in lifted:
-      new_cls._fast_apply = _fast_apply_for(
-          new_cls, _method_args(methods, (), kwargs)['__call__'][1])
-    if partial is not None:
-      return functools.partial(new_cls, *partial.args, **partial.keywords)
-    return new_cls
-  if callable(target) and not isinstance(target, Module):
-    fn = wrap_method(target)
-    fn_name = getattr(target, '__name__', 'fn')
-    return functools.wraps(fn)(_jit_lift(fn, fn_name, None, kwargs,
-                                         transform))
-  raise errors.TransformTargetError(target)
+# The names core/caching.py's registry and docs/internals.md give nn.jit's
+# cache pieces.
+_ModuleKey = jit_transform.ModuleKey
+_fast_apply_for = jit_transform.fast_apply_for
+_unbound_jit = jit_transform.unbound_jit

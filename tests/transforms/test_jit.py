@@ -296,10 +296,10 @@ def test_jit_plain_apply_rekeys_when_interceptors_change(monkeypatch):
   """The fast path fingerprints a module once and keeps the key on it; an
   interceptor entered after a hit gets a program traced under it (a new
   key), and leaving it returns to the first program."""
-  from liftmods import transforms
+  from liftmods import jit_transform
   fingerprints = []
-  real = transforms._leaf_fingerprint
-  monkeypatch.setattr(transforms, '_leaf_fingerprint',
+  real = jit_transform._leaf_fingerprint
+  monkeypatch.setattr(jit_transform, '_leaf_fingerprint',
                       lambda m: fingerprints.append(1) or real(m))
   model = lnn.jit(lnn.Dense)(3)
   v = model.init(jax.random.key(0), X4)

@@ -376,7 +376,7 @@ def test_one_pass_key_equals_the_general_fingerprint():
   """nn.jit's one-pass path (fields that are numbers, strings, bools, None
   or functions; no module among the arguments) builds the same cache key
   as the general fingerprint, so both paths share compiled entries."""
-  from liftmods import transforms  # pylint: disable=g-import-not-at-top
+  from liftmods import jit_transform  # pylint: disable=g-import-not-at-top
 
   class Leafy(lnn.Module):
     features: int = 3
@@ -395,8 +395,8 @@ def test_one_pass_key_equals_the_general_fingerprint():
   x = jnp.ones((1, 2))
   variables = Leafy().init(jax.random.key(0), x)
   bound = Leafy(name='named').bind(variables)
-  scopes, args, _, key = transforms._scopes_and_key(bound, (x,), {})
+  scopes, args, _, key = jit_transform._scopes_and_key(bound, (x,), {})
   assert scopes == [bound.scope] and args == (x,)
-  assert key.key == transforms._ModuleKey(bound).key
-  assert key.key != transforms._ModuleKey(
+  assert key.key == jit_transform.ModuleKey(bound).key
+  assert key.key != jit_transform.ModuleKey(
       Leafy(scale=0.25).bind(variables)).key

@@ -1,0 +1,109 @@
+"""How nn.jit and nn.fold_rngs lift classes: through transforms.lift_class
+with a method hook, under the class names Linen gives, with the fast apply
+only where ``__call__`` is compiled; and the named-call label that module.py
+and nn.named_call share."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import liftmods as lnn
+from liftmods import jit_transform, transforms
+from liftmods.core import lift
+from liftmods.module import named_call_label
+
+X = jnp.ones((2, 4))
+KEY = jax.random.key(0)
+
+
+class Twice(lnn.Module):
+  features: int = 3
+
+  @lnn.compact
+  def __call__(self, x):
+    return lnn.Dense(self.features)(x) * 2
+
+  def other(self, x):
+    return self(x) + 1
+
+
+def test_jit_names_resolve_everywhere():
+  assert lnn.jit is transforms.jit is jit_transform.jit
+  assert lnn.fold_rngs is transforms.fold_rngs is jit_transform.fold_rngs
+
+
+@pytest.mark.parametrize('lifter,name', [(lnn.jit, 'JitTwice'),
+                                         (lnn.fold_rngs, 'Fold_rngsTwice')])
+def test_class_names_and_partials(lifter, name):
+  cls = lifter(Twice)
+  assert cls.__name__ == name and issubclass(cls, Twice)
+  made = lifter(functools.partial(Twice, features=5))
+  assert isinstance(made, functools.partial)
+  assert made.func.__name__ == name and made.keywords == {'features': 5}
+  v = made().init(KEY, X)
+  assert v['params']['Dense_0']['kernel'].shape == (4, 5)
+
+
+def test_fast_apply_only_when_call_is_compiled():
+  assert lnn.jit(Twice)._fast_apply is not None
+  assert lnn.jit(Twice, methods=['other'])._fast_apply is None
+  assert lnn.jit(Twice, methods={'__call__': {}})._fast_apply is not None
+  assert lnn.fold_rngs(Twice)._fast_apply is None
+
+
+def test_jit_methods_match_the_plain_module():
+  v = Twice().init(KEY, X)
+  want = Twice().apply(v, X, method='other')
+  for methods in (['other'], {'other': {}}, ['__call__', 'other']):
+    got = lnn.jit(Twice, methods=methods)().apply(v, X, method='other')
+    np.testing.assert_array_equal(got, want)
+  with pytest.raises(ValueError, match='methods must be'):
+    lnn.jit(Twice, methods='other')
+
+
+def test_lift_class_takes_a_method_hook():
+  made = []
+
+  def lift_method(fn, fn_name, trafo_args, trafo_kwargs, cls):
+    made.append((fn_name, trafo_args, trafo_kwargs, cls))
+
+    def method(self, *args, **kwargs):
+      return fn(self, *args, **kwargs) - 1
+
+    return method
+
+  cls = transforms.lift_class(lift.jit, 'hooked', Twice, 7, methods=['other'],
+                              lift_method=lift_method, variables=True)
+  assert cls.__name__ == 'HookedTwice'
+  assert made == [('other', (7,), {'variables': True}, Twice)]
+  assert cls.other.__name__ == 'other'
+  v = Twice().init(KEY, X)
+  np.testing.assert_array_equal(cls().apply(v, X, method='other'),
+                                Twice().apply(v, X, method='other') - 1)
+
+
+def test_named_call_label_is_shared(monkeypatch):
+
+  class Probe(lnn.Module):
+
+    def __call__(self, x):
+      return x
+
+    def helper(self, x):
+      return x
+
+  probe = Probe(name='p')
+  assert named_call_label(probe, '__call__') == 'p'
+  assert named_call_label(probe, 'helper') == 'p.helper'
+  assert named_call_label(Probe(), 'helper') == 'Probe.helper'
+  seen, real = [], jax.named_call
+
+  def spy(fn, name):
+    seen.append(name)
+    return real(fn, name=name)
+
+  monkeypatch.setattr(jax, 'named_call', spy)
+  Probe().apply({}, X, method=lnn.named_call(Probe.helper))
+  assert seen == ['Probe.helper']
