@@ -27,7 +27,7 @@ import jax
 
 from liftmods import errors
 from liftmods.call_context import active_interceptors, calls
-from liftmods.core import lift
+from liftmods.core import caching, lift
 from liftmods.core.frozen_dict import FrozenDict
 from liftmods.module import DECLINED, Module, wrap_method
 from liftmods.traceback_util import api_boundary
@@ -245,6 +245,19 @@ def unbound_jit(fn: Callable[..., Any],
     return fn(module_key.module.clone(parent=None), *args, **kwargs)
 
   return _module_keyed_jit(run, trafo_kwargs)
+
+
+caching.register('jit_transform.fast_apply_for', caching.Policy(
+    holds='`nn.jit` fast apply: one `jax.jit` per lifted class, and '
+          "`_fast_apply_key` in each module's `__dict__`",
+    keyed_on='`ModuleKey` of the module (static argument)',
+    bound="JAX's jit cache",
+    cleared='`jax.clear_caches()`; the key when the module is collected'))
+caching.register('jit_transform.unbound_jit', caching.Policy(
+    holds='traces of `nn.jit` called unbound',
+    keyed_on='`ModuleKey` (static argument)',
+    bound="JAX's jit cache",
+    cleared='`jax.clear_caches()`'))
 
 
 # -- lifting -------------------------------------------------------------------

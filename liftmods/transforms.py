@@ -26,7 +26,7 @@ from typing import Any, Callable
 import jax
 
 from liftmods import errors
-from liftmods.core import lift
+from liftmods.core import caching, lift
 from liftmods.core import meta
 from liftmods.core.frozen_dict import FrozenDict
 from liftmods.core.scope import Scope, Variable
@@ -94,6 +94,10 @@ def _bound(x) -> bool:
 
 _SCALARS = frozenset((str, int, float, bool))
 _PLAIN_ARG_TYPES = set()  # types seen as call arguments that hold no module
+caching.register('transforms._PLAIN_ARG_TYPES', caching.Policy(
+    holds='types seen as call arguments that hold no module',
+    keyed_on='argument type', bound='one entry per type',
+    cleared='`caching.clear_caches()`'), clear=_PLAIN_ARG_TYPES.clear)
 
 
 def needs_walk(args: tuple, kwargs: dict | None) -> bool:
@@ -1033,12 +1037,5 @@ def add_metadata_axis(target: Target,
 # jit_transform.py lifts with the helpers above, so it is imported once they
 # exist.
 # pylint: disable=g-import-not-at-top,wrong-import-position
-from liftmods import jit_transform
 from liftmods.jit_transform import fold_rngs, jit
 # pylint: enable=g-import-not-at-top,wrong-import-position
-
-# The names core/caching.py's registry and docs/internals.md give nn.jit's
-# cache pieces.
-_ModuleKey = jit_transform.ModuleKey
-_fast_apply_for = jit_transform.fast_apply_for
-_unbound_jit = jit_transform.unbound_jit

@@ -256,7 +256,7 @@ def hashable_flags(flags: Mapping | None) -> tuple:
 
 # Tables whose modules do not register them: ``dtypes`` sits below this
 # module in the layer map, and the replay cache of ``core/rng_counters.py``
-# and the tables of ``transforms.py`` are listed here by name. Each entry is
+# is a class attribute named here. Each entry is
 # (name, policy, whether the table is made of BoundedCaches). A module that
 # registers its own table takes its entry out of this list.
 _LISTED = (
@@ -266,23 +266,6 @@ _LISTED = (
         keyed_on='traced site, scope paths, flags, counters before',
         bound='512 entries',
         cleared='on eviction'), True),
-    ('transforms._fast_apply_for', Policy(
-        holds='`nn.jit` fast apply: one `jax.jit` per lifted class, and '
-              '`_fast_apply_key` in each module\'s `__dict__`',
-        keyed_on='`_ModuleKey` of the module (static argument)',
-        bound='JAX\'s jit cache',
-        cleared='`jax.clear_caches()`; the key when the module is '
-                'collected'), False),
-    ('transforms._unbound_jit', Policy(
-        holds='traces of `nn.jit` called unbound',
-        keyed_on='`_ModuleKey` (static argument)',
-        bound='JAX\'s jit cache',
-        cleared='`jax.clear_caches()`'), False),
-    ('transforms._PLAIN_ARG_TYPES', Policy(
-        holds='types seen as call arguments that hold no module',
-        keyed_on='argument type',
-        bound='one entry per type',
-        cleared='never'), False),
     ('dtypes._INEXACT', Policy(
         holds='whether a dtype is inexact',
         keyed_on='dtype',

@@ -38,7 +38,7 @@ JIT_CACHE_LIMIT = 128
 caching.register('core.lifted_jit.jit.cache', caching.Policy(
     holds='compiled entries of one `jit(...)` (for `nn.jit`: of one lifted '
           'method, made on its first bound call)',
-    keyed_on='`hash_key` (`_ModuleKey`: module configuration), mutability, '
+    keyed_on='`hash_key` (`ModuleKey`: module configuration), mutability, '
              'flags, scope-tree structure, counters before',
     bound=f'{JIT_CACHE_LIMIT} entries per jitted function',
     cleared='on eviction; with the jitted function'), bounded=True)
