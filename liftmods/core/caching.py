@@ -262,7 +262,7 @@ def hashable_flags(flags: Mapping | None) -> tuple:
 _LISTED = (
     ('core.rng_counters.RngReplay.cache', Policy(
         holds='rng-counter snapshots after the first and the loop trace of '
-              'a scan body (`lift.scan`, `nn.Stack`)',
+              'a loop body (`lift.scan`, `layer_scan`)',
         keyed_on='traced site, scope paths, flags, counters before',
         bound='512 entries',
         cleared='on eviction'), True),

@@ -150,3 +150,14 @@ def test_rank_of_reads_folders_and_longest_match():
   assert rank_of('liftmods.module', ranks) == 2
   assert rank_of('liftmods', ranks) == 7
   assert rank_of('liftmods.stack', ranks) is None
+
+
+def test_the_core_holds_no_text_of_the_classes_above_it():
+  """A loop's caller words its errors (layer_scan.Explain); the core's code
+  and messages never name nn.Stack or the pipeline."""
+  found = []
+  for path in sorted((PACKAGE / 'core').rglob('*.py')):
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+      if re.search(r'\bStack\b|\bPipeline\b|stack\.scan', line):
+        found.append(f'{path.relative_to(ROOT)}:{number}: {line.strip()}')
+  assert not found, '\n'.join(found)
