@@ -314,16 +314,12 @@ def _remat(policy: StackPolicy | None, path: str) -> Remat | None:
           'values in device memory instead. To compile for other devices, '
           'trace under jax.set_mesh(mesh) with a mesh of those devices.',
           StackOffloadWarning, stacklevel=5)
-  group_carry = None
-  if offload and policy.save_carries == 'offload':
-    group_carry = GROUP_CARRY
-  group_size = None
-  if policy.nested is not False:
-    group_size = lambda n, carry, sliced: policy.groups(n, carry, sliced)  # pylint: disable=unnecessary-lambda
-  return Remat(policy=policy.jax_policy(offload),
-               prevent_cse=policy.prevent_cse,
-               names=(CARRY, INPUTS, OUTPUTS), group_size=group_size,
-               offload_group_carry=group_carry)
+  return Remat(
+      policy=policy.jax_policy(offload), prevent_cse=policy.prevent_cse,
+      names=(CARRY, INPUTS, OUTPUTS),
+      group_size=None if policy.nested is False else policy.groups,
+      offload_group_carry=(GROUP_CARRY if offload and
+                           policy.save_carries == 'offload' else None))
 
 
 # -- the module ------------------------------------------------------------------------
@@ -398,7 +394,7 @@ def _run(self, block, config: 'StackConfig', fold, x, args, kwargs):
       length=config.length, fold=fold, in_axes=axes,
       rolled=config.mode == 'scan', unroll=config.unroll,
       remat=_remat(config.policy, path),
-      metadata_params=dict(config.metadata_params),
+      metadata_params=config.metadata_params,
       site=(block, fold, axes, config),
       explain=_Explain(path, block.__name__, fold, config.length),
       schedule=(None if pipeline is None else

@@ -30,7 +30,7 @@ It shares its prologue (``axes_scan.slice_groups``), its carry check
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Hashable, Protocol, Sequence
+from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -128,7 +128,7 @@ class _Generic:
 def layer_scan(fn: Callable[..., Any], *, length: int, fold: bool = True,
                in_axes: Sequence[Any] = (), rolled: bool = True,
                unroll: int = 1, remat: Remat | None = None,
-               metadata_params: dict | None = None,
+               metadata_params: Mapping[str, Any] | None = None,
                site: Hashable = None, explain: Explain | None = None,
                schedule: Schedule | None = None,
                name: str = 'layer_scan') -> Callable[..., Any]:
@@ -177,7 +177,7 @@ class _LayerLoop:
   rolled: bool
   unroll: int
   remat: Remat | None
-  metadata_params: dict
+  metadata_params: Mapping[str, Any]
   site: Hashable
   explain: Explain | None
   schedule: Schedule | None
