@@ -197,7 +197,7 @@ def fast_apply_for(cls: type[Module],
   def fast_apply(module, variables, args, kwargs):
     if (type(module) is not cls or type(variables) not in (dict, FrozenDict)
         or calls.module_stack[-1] is not None or calls.capture_stack
-        or calls.recording is not None or needs_walk(args, kwargs)):
+        or calls.records or needs_walk(args, kwargs)):
       return DECLINED
     key = module.__dict__.get('_fast_apply_key')
     if key is None or key.interceptors != tuple(calls.interceptors):

@@ -646,8 +646,8 @@ class Module:
     is_setup = fun_name == 'setup'
     context = _calls
     recorded = None
-    if context.recording is not None and not is_setup and (
-        self.scope is not None):
+    if context.records and not is_setup and self.scope is not None and (
+        context.recording is not None):
       recorded = ModuleCall.enter(self, fun_name, args, kwargs)
     if is_setup:
       if self.scope is None:

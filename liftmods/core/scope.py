@@ -388,9 +388,12 @@ class Scope:
     params = self._collection('params')
     if name in params:
       value = params[name]
-      if unbox and not _is_array(value):
+      is_array = _is_array(value)
+      if unbox and not is_array:
         value = meta.unbox(value)
-      _check_shapes(name, self, value, init_fn, init_args, init_kwargs)
+        is_array = _is_array(value)
+      _check_shapes(name, self, value, is_array, init_fn, init_args,
+                    init_kwargs)
       return value
     if not self.is_mutable_collection('params'):
       if self.is_collection_empty('params'):
@@ -457,10 +460,10 @@ class Scope:
 # -- parameter shape checks (the expected shapes are cached in init_shapes) ---
 
 
-def _check_shapes(name, scope, value, init_fn, init_args, init_kwargs):
+def _check_shapes(name, scope, value, is_array, init_fn, init_args,
+                  init_kwargs):
   expected = expected_shapes(init_fn, init_args, init_kwargs)
-  leaves = (value,) if _is_array(value) else jax.tree_util.tree_leaves(
-      value)
+  leaves = (value,) if is_array else jax.tree_util.tree_leaves(value)
   for leaf, shape in zip(leaves, expected):
     if np.shape(leaf) != shape:
       raise errors.ScopeParamShapeError(name, scope.path_text, np.shape(leaf),

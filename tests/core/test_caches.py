@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import pytest
 
 import liftmods as nn
-from liftmods.core import caching
+from liftmods import precision
+from liftmods.core import caching, init_shapes
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / 'liftmods'
@@ -282,8 +283,13 @@ def test_clear_caches_empties_memos_and_results_stay():
 
   x = jnp.ones((2, 4))
   y, variables = nn.core.init(model)(jax.random.key(0), x)
+  nn.core.apply(model)(variables, x)  # a stored parameter's shape check
+  assert len(init_shapes._SHAPE_CACHE) > 0
+  key_numbers = dict(precision._KEY_NUMBERS)
   caching.clear_caches()
   assert len(cache) == 0
+  assert len(init_shapes._SHAPE_CACHE) == 0
+  assert precision._KEY_NUMBERS == key_numbers  # meaningful: never cleared
   assert (nn.core.apply(model)(variables, x) == y).all()
   _, again = nn.core.init(model)(jax.random.key(0), x)
   assert (again['params']['kernel'] == variables['params']['kernel']).all()
