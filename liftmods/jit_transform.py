@@ -300,17 +300,21 @@ def _jit_lift(fn, fn_name, cls, trafo_kwargs, transform=lift.jit):
   return lifted
 
 
+def _jit_class_method(transform, fn, fn_name, trafo_args, trafo_kwargs,
+                      cls):
+  """``lift_class``'s method hook for jit: ``_jit_lift`` takes no positional
+  transform arguments."""
+  del trafo_args
+  return _jit_lift(fn, fn_name, cls, trafo_kwargs, transform)
+
+
 def _lift_jit(target, methods, kwargs, name, transform):
   """A Module class (its ``methods``) or a function of a module, lifted with
   ``_jit_lift`` over ``transform``; a class made by ``nn.jit`` that compiles
   ``__call__`` also gets the fast ``apply``."""
   if is_module_class(target):
-
-    def lift_method(fn, fn_name, _, method_kwargs, module_class):
-      return _jit_lift(fn, fn_name, module_class, method_kwargs, transform)
-
     lifted = lift_class(transform, name, target, methods=methods,
-                        lift_method=lift_method, **kwargs)
+                        lift_method=_jit_class_method, **kwargs)
     call = method_args(methods, (), kwargs).get('__call__')
     if transform is lift.jit and call is not None:
       cls = lifted.func if isinstance(lifted, functools.partial) else lifted

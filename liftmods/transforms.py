@@ -409,9 +409,10 @@ def lift_class(transform: Callable[..., Any], name: str,
     *trafo_args: positional arguments of ``transform``.
     methods: None (``__call__``), a list of names, or ``{name: transform
       kwargs}``.
-    lift_method: builds each method of the subclass, ``lift_method(fn,
-      fn_name, trafo_args, trafo_kwargs, module_class)``; by default one
-      that runs ``fn`` under ``transform`` with ``call_lifted``.
+    lift_method: builds each method of the subclass, ``lift_method(
+      transform, fn, fn_name, trafo_args, trafo_kwargs, module_class)``; by
+      default one that runs ``fn`` under ``transform`` with
+      ``call_lifted``.
     **trafo_kwargs: keyword arguments of ``transform``.
 
   Returns:
@@ -420,14 +421,13 @@ def lift_class(transform: Callable[..., Any], name: str,
   partial = None
   if isinstance(module_class, functools.partial):
     partial, module_class = module_class, module_class.func
-  if lift_method is None:
-    lift_method = functools.partial(_class_method, transform)
+  lift_method = lift_method or _class_method
   lifted = {}
   for fn_name, (t_args, t_kwargs) in method_args(
       methods, trafo_args, trafo_kwargs).items():
     fn = getattr(module_class, fn_name)
     lifted[fn_name] = functools.wraps(fn)(lift_method(
-        fn, fn_name, t_args, t_kwargs, module_class))
+        transform, fn, fn_name, t_args, t_kwargs, module_class))
   new_cls = type(name.capitalize() + module_class.__name__, (module_class,),
                  lifted)
   if partial is not None:

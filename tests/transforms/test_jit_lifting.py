@@ -66,8 +66,9 @@ def test_jit_methods_match_the_plain_module():
 def test_lift_class_takes_a_method_hook():
   made = []
 
-  def lift_method(fn, fn_name, trafo_args, trafo_kwargs, cls):
+  def lift_method(transform, fn, fn_name, trafo_args, trafo_kwargs, cls):
     made.append((fn_name, trafo_args, trafo_kwargs, cls))
+    assert transform is lift.jit
 
     def method(self, *args, **kwargs):
       return fn(self, *args, **kwargs) - 1
