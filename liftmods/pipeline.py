@@ -29,19 +29,17 @@ its activation memory does not grow with ``M``.
 """
 import contextlib
 import dataclasses
-import functools
 import threading
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import PartitionSpec
 
 from liftmods import call_context, errors, spmd
 from liftmods.call_context import split_arrays
+from liftmods.core import pipeline_loop
 
 
 class PipelineError(errors.StackError):
@@ -307,47 +305,6 @@ def stage_spec(where: str, spec: PartitionSpec, ndim: int,
 # -- the schedule -------------------------------------------------------------------
 
 
-def _microbatches(c, m, path):
-  """``(B, ...) -> (M, B/M, ...)``, microbatch ``i`` holding rows ``i::M``."""
-  def split(x):
-    shape = jnp.shape(x)
-    if not shape or shape[0] % m:
-      raise PipelineError(
-          f'Stack at {path}: the batch (leading axis of the carry) must be '
-          f'divisible by microbatches={m}; got a carry of shape '
-          f'{tuple(shape)}.')
-    return jnp.swapaxes(x.reshape((shape[0] // m, m) + shape[1:]), 0, 1)
-  return jax.tree_util.tree_map(split, c)
-
-
-def _join(c):
-  """Inverse of :func:`_microbatches`."""
-  def join(x):
-    x = jnp.swapaxes(x, 0, 1)
-    return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
-  return jax.tree_util.tree_map(join, c)
-
-
-def _staged(tree, pipeline):
-  """``(L, ...)`` stage-major -> ``(S, R, K, ...)``."""
-  s, r = pipeline.stages, pipeline.repeats
-  return jax.tree_util.tree_map(
-      lambda a: a.reshape((s, r, a.shape[0] // (s * r)) + a.shape[1:]), tree)
-
-
-def _unstaged(tree):
-  return jax.tree_util.tree_map(
-      lambda a: a.reshape((-1,) + a.shape[3:]), tree)
-
-
-def _at(tree, i):
-  return jax.tree_util.tree_map(lambda a: a[i], tree)
-
-
-def _select(pred, a, b):
-  return jax.tree_util.tree_map(lambda x, y: jnp.where(pred, x, y), a, b)
-
-
 @dataclasses.dataclass(frozen=True)
 class StackSchedule:
   """A pipeline's schedule as the loop of a stack (a ``Schedule`` of
@@ -385,156 +342,82 @@ def initializing(scopes, stacked) -> bool:
       jax.tree_util.tree_leaves([v.get('params', {}) for v in stacked]))
 
 
-def _split_collections(pipeline, stacked, is_mutable, path):
-  """``stacked`` (one dict of collections per scope) -> (read-only,
-  updated), with a PipelineError for a collection that cannot be
-  pipelined."""
-  for cols in stacked:
-    for col in cols:
-      if not is_mutable(col) or col in pipeline.per_microbatch:
-        continue
-      raise PipelineError(
-          f'Stack at {path}: collection {col!r} is mutable, and a pipelined '
-          'stack runs each layer once per microbatch, so it would be '
-          'updated microbatch by microbatch rather than once on the whole '
-          'batch (BatchNorm statistics, for one, would differ from the '
-          "unpipelined stack's). If one update per microbatch is what the "
-          f'block means (a counter), declare Pipeline(per_microbatch='
-          f"({col!r},)); otherwise do not make it mutable here.")
-  fixed = tuple({c: v for c, v in cols.items() if not is_mutable(c)}
-                for cols in stacked)
-  mutable = tuple({c: v for c, v in cols.items() if is_mutable(c)}
-                  for cols in stacked)
-  return fixed, mutable
+@dataclasses.dataclass(frozen=True)
+class _StackErrors:
+  """The pipeline loops' errors (``pipeline_loop.Explain``), worded for the
+  stack at ``path``."""
+  path: str
 
+  def batch(self, shape, microbatches):
+    return PipelineError(
+        f'Stack at {self.path}: the batch (leading axis of the carry) must '
+        f'be divisible by microbatches={microbatches}; got a carry of shape '
+        f'{shape}.')
 
-_SLICING = frozenset({'dynamic_slice', 'gather', 'slice', 'squeeze',
-                      'reshape'})
+  def mutable(self, collection):
+    return PipelineError(
+        f'Stack at {self.path}: collection {collection!r} is mutable, and a '
+        'pipelined stack runs each layer once per microbatch, so it would be '
+        'updated microbatch by microbatch rather than once on the whole '
+        'batch (BatchNorm statistics, for one, would differ from the '
+        "unpipelined stack's). If one update per microbatch is what the "
+        f'block means (a counter), declare Pipeline(per_microbatch='
+        f"({collection!r},)); otherwise do not make it mutable here.")
 
+  def wrote(self, updated, held):
+    return PipelineError(
+        f'Stack at {self.path}: the blocks wrote mutable variables {updated} '
+        f'but the stack holds {held}; a pipelined stack can only update '
+        'variables that already exist (create them in init).')
 
-def _save_all_but_slices(prim, *_, **__):
-  return prim.name not in _SLICING
+  def argument(self, shape, microbatches):
+    del self
+    return PipelineError(
+        f'pipeline.value_and_grad: every array argument of loss_fn after '
+        f'params is split into microbatches=M={microbatches} along its '
+        f'leading (batch) axis; got one of shape {shape}. Declare arguments '
+        'without a batch axis in shared_argnums.')
 
+  def not_in_params(self):
+    return PipelineError(
+        f"Stack at {self.path}: pipeline.value_and_grad cannot find the "
+        "stack's variables in the params given to loss_fn; loss_fn must "
+        'pass them to model.apply unchanged.')
 
-def _stage_fn(layer, policy, n_layers, path):
-  """``stage(x, fixed, r, mutable, keys, per_layer) -> (x, updated)``: the
-  stage's ``K`` layers of repeat ``r`` on one microbatch."""
-
-  def stage(x, fixed, r, mutable, keys, per_layer):
-    # The parameters are sliced inside the checkpoint: the backward pass
-    # slices them again instead of keeping a copy per iteration.
-    def one(x, sliced):
-      l, mutable, keys, per_layer = sliced
-      own = _at(_at(fixed, r), l)
-      variables = tuple({**f, **m} for f, m in zip(own, mutable))
-      return layer(x, (variables, keys, per_layer))
-
-    one = jax.checkpoint(one, policy=policy or _save_all_but_slices,
-                         prevent_cse=False)
-    x, (_, updated) = lax.scan(
-        one, x, (jnp.arange(n_layers), mutable, keys, per_layer))
-    if (jax.tree_util.tree_structure(updated) !=
-        jax.tree_util.tree_structure(mutable)):
-      raise PipelineError(
-          f'Stack at {path}: the blocks wrote mutable variables '
-          f'{jax.tree_util.tree_structure(updated)} but the stack holds '
-          f'{jax.tree_util.tree_structure(mutable)}; a pipelined stack can '
-          'only update variables that already exist (create them in init).')
-    return x, updated
-
-  return stage
-
-
-def _garbage(fill):
-  """What arrives before a stage has real work: NaN, so that any leak of it
-  into outputs or gradients is visible."""
-  return jax.tree_util.tree_map(lambda a: jnp.full_like(a, jnp.nan), fill)
-
-
-def _neighbours(n_stages, step):
-  return [(i, (i + step) % n_stages) for i in range(n_stages)]
+  def input_shape(self, got, want):
+    return PipelineError(
+        f'Stack at {self.path}: on one microbatch, loss_fn gave the stack an '
+        f"input of shape {got}, not the microbatch's {want}: pass the batch "
+        'to loss_fn as an argument (after params), not in a closure, so '
+        'that pipeline.value_and_grad can split it.')
 
 
 def run_schedule(pipeline: Pipeline, layer, policy, c, stacked, keys,
                  per_layer, *, is_mutable, length: int, path: str):
-  """Runs ``L`` layers on the carry ``c`` with the pipeline's schedule.
-
-  ``layer(c, (variables, keys, per_layer)) -> (c, (ys, mutable_out))`` is
-  one layer of the stack and ``policy`` its ``jax.checkpoint`` policy (or
-  None); ``stacked`` holds
-  the stack's variables (one dict of collections per scope) in stored
-  (stage-major) order, ``keys`` and ``per_layer`` are in layer order and
-  ``is_mutable(collection)`` says which collections the layers update.
-  Returns ``(c, mutable collections)``, the latter stage-major.
+  """Runs ``L`` layers on the carry ``c`` with the pipeline's schedule
+  (``core.pipeline_loop.run_pipeline``; see there for the arguments) and
+  returns ``(c, mutable collections)``, the latter stage-major.
 
   A ``'1f1b'`` pipeline inside :func:`value_and_grad` runs the
-  one-forward-one-backward schedule (:func:`_run_1f1b`); anywhere else
-  every schedule runs this forward loop.
+  one-forward-one-backward loop, and hands its surrogate loss to that
+  call; anywhere else every schedule runs the forward loop.
   """
   pipeline.layers_per_stage(length, path)
   mesh = pipeline.resolve_mesh(path)
-  fixed, mutable = _split_collections(pipeline, stacked, is_mutable, path)
-  n_stages, n_micro = pipeline.stages, pipeline.microbatches
-  n_work = n_micro * pipeline.repeats
-  micro = _microbatches(c, n_micro, path)
-  staged = (_staged(fixed, pipeline), _staged(mutable, pipeline),
-            _staged(pipeline.stage_major(keys), pipeline),
-            _staged(pipeline.stage_major(per_layer), pipeline))
-  stage = _stage_fn(layer, policy, length // (n_stages * pipeline.repeats),
-                    path)
-  training = _training.context
-  if pipeline.mode == '1f1b' and training is not None:
-    return _run_1f1b(pipeline, training, stage, mesh, micro, fixed, staged,
-                     path)
-
-  def per_stage(micro, fixed, mutable, keys, per_layer):
-    fixed, mutable, keys, per_layer = _at((fixed, mutable, keys, per_layer), 0)
-    s = lax.axis_index(pipeline.axis)
-    fill = jax.tree_util.tree_map(lax.stop_gradient, _at(micro, 0))
-    ring = _neighbours(n_stages, 1)
-    # remat_iterations: the backward pass keeps each iteration's input
-    # microbatch (not the batch buffers the loop carries) and reruns the
-    # stage from it.
-    run_stage = (jax.checkpoint(
-        stage, policy=jax.checkpoint_policies.nothing_saveable,
-        prevent_cse=False) if pipeline.remat_iterations else stage)
-
-    def store(buffer, arrived, t):
-      done = t - n_stages  # the work item the last stage finished at t - 1
-      slot = jnp.mod(done, n_micro)
-      ok = (done >= 0) & (done < n_work)
-      return jax.tree_util.tree_map(
-          lambda b, a: b.at[slot].set(jnp.where(ok, a, b[slot])), buffer,
-          arrived)
-
-    def iteration(carry, t):
-      arrived, buffer, mutable = carry
-      buffer = store(buffer, arrived, t)
-      j = t - s
-      valid = (j >= 0) & (j < n_work)
-      r = jnp.clip(j, 0, n_work - 1) // n_micro
-      x = _select(s == 0, _at(buffer, jnp.mod(t, n_micro)), arrived)
-      x = _select(valid, x, fill)
-      y, updated = run_stage(x, fixed, r, _at(mutable, r), _at(keys, r),
-                             _at(per_layer, r))
-      mutable = jax.tree_util.tree_map(
-          lambda old, new: old.at[r].set(jnp.where(valid, new, old[r])),
-          mutable, updated)
-      arrived = lax.ppermute(y, pipeline.axis, ring)
-      return (arrived, buffer, mutable), None
-
-    iterations = n_work + n_stages - 1
-    (arrived, buffer, mutable), _ = lax.scan(
-        iteration, (_garbage(fill), micro, mutable), jnp.arange(iterations))
-    buffer = store(buffer, arrived, jnp.asarray(iterations))
-    return _lead(buffer), _lead(mutable)
-
-  spec = PartitionSpec(pipeline.axis)
-  out, mutable = jax.shard_map(
-      per_stage, mesh=mesh, in_specs=(PartitionSpec(),) + (spec,) * 4,
-      out_specs=(spec, spec), axis_names={pipeline.axis},
-      check_vma=False)(micro, *staged)
-  return _join(_at(out, 0)), _unstaged(mutable)
+  step = _training.context if pipeline.mode == '1f1b' else None
+  if step is not None:
+    if step.path not in (None, path):
+      raise PipelineError(
+          f"pipeline.value_and_grad: loss_fn calls two stacks with Pipeline("
+          f"mode='1f1b'), at {step.path} and {path}; it runs exactly one.")
+    step.path = path
+  c, mutable, loss = pipeline_loop.run_pipeline(
+      pipeline, mesh, layer, policy, c, stacked, keys, per_layer,
+      length=length, is_mutable=is_mutable, explain=_StackErrors(path),
+      training=step)
+  if step is not None:
+    step.loss = loss
+  return c, mutable
 
 
 # -- one forward, one backward ------------------------------------------------
@@ -550,8 +433,8 @@ _training = _Training()
 
 @dataclasses.dataclass
 class _TrainStep:
-  """What the 1F1B loop needs from :func:`value_and_grad`'s call, and what
-  it hands back."""
+  """One call of :func:`value_and_grad`'s loss: what the 1F1B loop needs
+  (a ``pipeline_loop.Training``), and the loss it hands back."""
   loss_fn: Any
   has_aux: bool
   params: Any
@@ -559,6 +442,20 @@ class _TrainStep:
   shared: frozenset
   loss: Any = None
   path: Any = None
+
+  def __post_init__(self):
+    self.arrays, self._rebuild_args = split_arrays(self.args)
+    self.batched = [jnp.ndim(a) > 0 and i + 1 not in self.shared
+                    for i, arg in enumerate(self.args)
+                    for a in split_arrays(arg)[0]]
+
+  def call(self, params, arrays, given):
+    """``loss_fn`` on ``arrays``, the stack answered by ``given``."""
+    saved, _training.substitute = _training.substitute, given
+    try:
+      return self.loss_fn(params, *self._rebuild_args(list(arrays)))
+    finally:
+      _training.substitute = saved
 
 
 def value_and_grad(loss_fn: Callable[..., Any], *, has_aux: bool = False,
@@ -663,7 +560,7 @@ def substituted(pipeline: Pipeline, path: Sequence[str], x):
   y = _training.substitute
   if y is None or pipeline.mode != '1f1b':
     return None
-  if isinstance(y, _Capture):
+  if isinstance(y, pipeline_loop.Capture):
     y.value = x
     return x
   if (jax.tree_util.tree_structure(x) != jax.tree_util.tree_structure(y) or
@@ -678,269 +575,6 @@ def substituted(pipeline: Pipeline, path: Sequence[str], x):
         'array argument of loss_fn after params must have the batch as its '
         'leading axis.')
   return y
-
-
-def _inexact(tree):
-  """``(floating leaves, rebuild)``: the leaves gradients are taken of, and
-  ``rebuild(leaves)`` -> ``tree`` with them put back."""
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  where = [i for i, a in enumerate(leaves)
-           if jnp.issubdtype(jnp.result_type(a), jnp.inexact)]
-
-  def rebuild(new):
-    out = list(leaves)
-    for i, a in zip(where, new):
-      out[i] = a
-    return treedef.unflatten(out)
-
-  return [leaves[i] for i in where], rebuild
-
-
-def _without(tree, dropped):
-  """``tree`` with None for every leaf that is one of the arrays in
-  ``dropped`` (compared by identity)."""
-  ids = {id(a) for a in jax.tree_util.tree_leaves(dropped)}
-  return jax.tree_util.tree_map(lambda a: None if id(a) in ids else a, tree)
-
-
-def _surrogate(loss, pairs):
-  """``loss`` with the gradient ``g`` for each ``(value, g)`` in ``pairs``:
-  ``loss + Σ g·(v − v)``, every term exactly zero, and the only path
-  ``jax.grad`` can take (the loop's inputs are behind stop_gradient)."""
-  total = lax.stop_gradient(loss)
-  for value, grad in pairs:
-    total = total + jnp.sum(lax.stop_gradient(grad) *
-                            (value - lax.stop_gradient(value)))
-  return total
-
-
-class _Capture:
-  """While the loop runs ``loss_fn`` up to the stack on one microbatch: the
-  stack's input, which the stack records and returns unchanged."""
-  value: Any = None
-
-
-def _run_1f1b(pipeline, step, stage, mesh, micro, fixed, staged, path):
-  """The one-forward-one-backward loop: sets ``step.loss`` (the mean
-  microbatch loss, carrying every gradient) and returns the stack's
-  ``(c, mutable collections)`` as :func:`run` does (``c`` is the real
-  output only with ``has_aux``; otherwise nothing reads it).
-
-  Each iteration, stage ``s`` runs forward microbatch ``f = t − s`` and
-  backward microbatch ``b = t − 2S + 2 + s``, the latter's vjp recomputed
-  from the stage input it stored (a ring of ``2S − 1`` slots). Stage 0 runs
-  ``loss_fn`` up to the stack on microbatch ``f`` for the stage's input,
-  and its vjp on microbatch ``b``; the last stage runs ``loss_fn`` from the
-  stack's output on (and the vjp of) microbatch ``f = b``.
-  """
-  if step.path not in (None, path):
-    raise PipelineError(
-        f"pipeline.value_and_grad: loss_fn calls two stacks with Pipeline("
-        f"mode='1f1b'), at {step.path} and {path}; it runs exactly one.")
-  step.path = path
-  n_stages, n_micro = pipeline.stages, pipeline.microbatches
-  last = n_stages - 1
-  window = 2 * n_stages - 1  # microbatch inputs a stage holds at most
-  arrays, rebuild_args = split_arrays(step.args)
-  batched = [jnp.ndim(a) > 0 and i + 1 not in step.shared
-             for i, arg in enumerate(step.args)
-             for a in split_arrays(arg)[0]]
-  for a, is_batch in zip(arrays, batched):
-    if is_batch and jnp.shape(a)[0] % n_micro:
-      raise PipelineError(
-          f'pipeline.value_and_grad: every array argument of loss_fn after '
-          f'params is split into microbatches=M={n_micro} along its leading '
-          f'(batch) axis; got one of shape {jnp.shape(a)}. Declare '
-          'arguments without a batch axis in shared_argnums.')
-  # (B/M, M, ...): microbatch b is [:, b], rows b, b + M, ...; a view of
-  # the batch, where _microbatches' (M, B/M, ...) would be a copy of it.
-  batches = [a.reshape((a.shape[0] // n_micro, n_micro) + a.shape[1:])
-             if is_batch else a for a, is_batch in zip(arrays, batched)]
-  # The other layers' parameters travel into the loop; the stack's own
-  # (which loss_fn's calls in the loop never read) must not, or every stage
-  # would get all of them.
-  outer = _without(step.params, fixed)
-  if len(jax.tree_util.tree_leaves(outer)) == len(
-      jax.tree_util.tree_leaves(step.params)):
-    raise PipelineError(
-        f'Stack at {path}: pipeline.value_and_grad cannot find the stack\'s '
-        'variables in the params given to loss_fn; loss_fn must pass them '
-        'to model.apply unchanged.')
-  sg = lambda tree: jax.tree_util.tree_map(lax.stop_gradient, tree)
-  zeros = lambda tree: jax.tree_util.tree_map(jnp.zeros_like, tree)
-  shape = jax.tree_util.tree_map(
-      lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), micro)
-
-  def per_stage(batches, outer, fixed, mutable, keys, per_layer):
-    fixed, mutable, keys, per_layer = _at((fixed, mutable, keys, per_layer), 0)
-    outer_diff, rebuild_outer = _inexact(outer)
-    fixed_diff, rebuild_fixed = _inexact(fixed)
-    s = lax.axis_index(pipeline.axis)
-    fill = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype),
-                                  shape)
-
-    def call(outer_diff, b, given):
-      """``loss_fn`` on microbatch ``b``, the stack replaced by ``given``."""
-      args = rebuild_args([a[:, b] if is_batch else a
-                           for a, is_batch in zip(batches, batched)])
-      saved, _training.substitute = _training.substitute, given
-      try:
-        return step.loss_fn(rebuild_outer(outer_diff), *args)
-      finally:
-        _training.substitute = saved
-
-    def embed(outer_diff, b):
-      """The stack's input on microbatch ``b`` (layers before the stack)."""
-      capture = _Capture()
-      call(outer_diff, b, capture)
-      got = jax.tree_util.tree_map(jnp.shape, capture.value)
-      if got != jax.tree_util.tree_map(lambda a: a.shape, shape):
-        raise PipelineError(
-            f'Stack at {path}: on one microbatch, loss_fn gave the stack an '
-            f'input of shape {got}, not the microbatch\'s '
-            f'{jax.tree_util.tree_map(lambda a: a.shape, shape)}: pass the '
-            'batch to loss_fn as an argument (after params), not in a '
-            'closure, so that pipeline.value_and_grad can split it.')
-      return capture.value
-
-    def head(outer_diff, b, y):
-      """The loss of microbatch ``b`` from the stack's output ``y``."""
-      out = call(outer_diff, b, y)
-      return (out[0] if step.has_aux else out) / n_micro
-
-    def stage_once(x, fixed_diff, mutable):
-      return stage(x, rebuild_fixed(fixed_diff), 0, mutable, _at(keys, 0),
-                   _at(per_layer, 0))
-
-    # The stage is traced once, and its program run by the forward and by
-    # the backward's recomputation: tracing the blocks again would move
-    # their rng counters, and the recomputation would draw other dropout
-    # masks than the forward did.
-    traced, out_shape = jax.make_jaxpr(stage_once, return_shape=True)(
-        fill, fixed_diff, _at(mutable, 0))
-    out_tree = jax.tree_util.tree_structure(out_shape)
-    program = jax.extend.core.jaxpr_as_fun(traced)
-
-    def forward(x, fixed_diff, mutable):
-      return out_tree.unflatten(program(
-          *jax.tree_util.tree_leaves((x, fixed_diff, mutable))))
-
-    def head_vjp(b, y):
-      loss, pull = jax.vjp(lambda o, y: head(o, b, y), outer_diff, y)
-      return (loss,) + pull(jnp.ones_like(loss))
-
-    def embed_vjp(b, d_x):
-      _, pull = jax.vjp(lambda o: embed(o, b), outer_diff)
-      return pull(d_x)[0]
-
-    put = lambda buf, i, v, ok: jax.tree_util.tree_map(
-        lambda b, a: b.at[i].set(jnp.where(ok, a, b[i])), buf, v)
-    add = lambda acc, d, ok: jax.tree_util.tree_map(
-        lambda a, g: a + jnp.where(ok, g, jnp.zeros_like(g)), acc, d)
-    stack_of = lambda tree, n: jax.tree_util.tree_map(
-        lambda a: jnp.broadcast_to(a, (n,) + a.shape), tree)
-
-    def forward_half(t, arrived, inputs, states, mutable, outputs):
-      """Forward of microbatch f = t - s (as in GPipe)."""
-      f = t - s
-      f_ok = (f >= 0) & (f < n_micro)
-      f_at = jnp.clip(f, 0, n_micro - 1)
-      x = lax.cond(s == 0, lambda: embed(outer_diff, f_at), lambda: arrived)
-      x = _select(f_ok, x, fill)
-      state = _at(mutable, 0)
-      y, updated = forward(x, fixed_diff, state)
-      inputs = put(inputs, jnp.mod(f, window), x, f_ok)
-      states = put(states, jnp.mod(f, window), state, f_ok)
-      mutable = jax.tree_util.tree_map(
-          lambda old, new: old.at[0].set(jnp.where(f_ok, new, old[0])),
-          mutable, updated)
-      if step.has_aux:
-        outputs = put(outputs, f_at, y, f_ok & (s == last))
-      return y, inputs, states, mutable, outputs
-
-    def backward_half(t, y, cotangent, inputs, states, grads, outer_grads,
-                      loss):
-      """Backward of microbatch b = t - (2S - 2 - s): on the last stage the
-      one just run forward, its cotangent from the loss; elsewhere the
-      cotangent the next stage sent."""
-      b = t - (2 * n_stages - 2) + s
-      b_ok = (b >= 0) & (b < n_micro)
-      b_at = jnp.clip(b, 0, n_micro - 1)
-      l_b, d_head, d_y = lax.cond(
-          s == last, head_vjp,
-          lambda b, y: (jnp.zeros(()), zeros(outer_diff), zeros(y)), b_at, y)
-      ct = _select(s == last, d_y, cotangent)
-      ct = _select(b_ok, ct, zeros(ct))
-      slot = jnp.mod(b, window)
-      stored = _at(states, slot)
-      _, pull = jax.vjp(lambda x, p: forward(x, p, stored)[0],
-                        _at(inputs, slot), fixed_diff)
-      d_x, d_fixed = pull(ct)
-      d_embed = lax.cond(s == 0, embed_vjp,
-                         lambda b, d_x: zeros(outer_diff), b_at, d_x)
-      grads = add(grads, d_fixed, b_ok)
-      outer_grads = add(outer_grads, d_head, b_ok & (s == last))
-      outer_grads = add(outer_grads, d_embed, b_ok & (s == 0))
-      loss = loss + jnp.where(b_ok & (s == last), l_b, 0.)
-      return d_x, grads, outer_grads, loss
-
-    def iteration(carry, t, forwards, backwards):
-      (arrived, cotangent, inputs, states, mutable, grads, outer_grads, loss,
-       outputs) = carry
-      y = d_x = _garbage(fill)
-      if forwards:
-        y, inputs, states, mutable, outputs = forward_half(
-            t, arrived, inputs, states, mutable, outputs)
-      if backwards:
-        d_x, grads, outer_grads, loss = backward_half(
-            t, y, cotangent, inputs, states, grads, outer_grads, loss)
-      arrived = lax.ppermute(y, pipeline.axis, _neighbours(n_stages, 1))
-      cotangent = lax.ppermute(d_x, pipeline.axis, _neighbours(n_stages, -1))
-      return (arrived, cotangent, inputs, states, mutable, grads, outer_grads,
-              loss, outputs), None
-
-    carry = (_garbage(fill), _garbage(fill), stack_of(fill, window),
-             stack_of(_at(mutable, 0), window), mutable, zeros(fixed_diff),
-             zeros(outer_diff), jnp.zeros(()),
-             stack_of(fill, n_micro if step.has_aux else 0))
-    # In the first S - 1 iterations no stage has a backward to run, in the
-    # last S - 1 none a forward: three loops (fill, steady, drain) leave
-    # those halves out, so the step takes M + S - 1 forwards and as many
-    # backwards of time, as GPipe's. (A lax.cond on t would do it in one
-    # loop, but kept XLA:TPU from updating the gradient sums in place: a
-    # copy of the stage's parameters in temp memory.)
-    for start, stop, forwards, backwards in (
-        (0, n_stages - 1, True, False),
-        (n_stages - 1, n_micro + n_stages - 1, True, True),
-        (n_micro + n_stages - 1, pipeline.iterations, False, True)):
-      if stop > start:
-        carry, _ = lax.scan(
-            functools.partial(iteration, forwards=forwards,
-                              backwards=backwards),
-            carry, jnp.arange(start, stop))
-    _, _, _, _, mutable, grads, outer_grads, loss, outputs = carry
-    return _lead((outputs, mutable, grads, outer_grads, loss))
-
-  spec = PartitionSpec(pipeline.axis)
-  outputs, mutable, grads, outer_grads, loss = jax.shard_map(
-      per_stage, mesh=mesh, in_specs=(PartitionSpec(),) * 2 + (spec,) * 4,
-      out_specs=spec, axis_names={pipeline.axis}, check_vma=False)(
-          batches, sg(outer), *sg(staged))
-  # The gradients enter jax.grad's trace through the stack's variables (in
-  # stored order: (L, ...)) and the other layers' parameters (stage 0 holds
-  # those of the layers before the stack, the last stage those after).
-  leaves = jax.tree_util.tree_leaves
-  step.loss = _surrogate(
-      loss[last],
-      list(zip(_inexact(fixed)[0], leaves(_unstaged(grads)))) +
-      list(zip(_inexact(outer)[0],
-               [g.sum(0) for g in leaves(outer_grads)])))
-  out = _join(_at(outputs, last)) if step.has_aux else _join(micro)
-  return out, _unstaged(mutable)
-
-
-def _lead(tree):
-  return jax.tree_util.tree_map(lambda a: a[None], tree)
 
 
 def check_stack(pipeline, length: int, policy, mode: str):
