@@ -8,8 +8,10 @@ liftmods frames in different files) and the path itself, file by file:
 
   .venv/bin/python tools/walk_path.py --model=nested_stack
 
-The models: ``nested_stack`` (``nn.Stack(Block, policy='nested')``) and
-``scan`` (``nn.scan`` over the same block).
+The models: ``nested_stack`` (``nn.Stack(Block, policy='nested')``),
+``scan`` (``nn.scan`` over the same block) and ``pipelined_stack`` (a
+one-stage ``nn.Pipeline`` on a one-device mesh: its ``init`` runs the plain
+loop, its ``grad`` the pipeline's).
 """
 import argparse
 import pathlib
@@ -36,6 +38,9 @@ class Block(nn.Module):
 def build(model: str) -> nn.Module:
   if model == 'nested_stack':
     return nn.Stack(Block, length=9, policy='nested')(name='blocks')
+  if model == 'pipelined_stack':
+    pipeline = nn.Pipeline(stages=1, microbatches=2)
+    return nn.Stack(Block, length=9, pipeline=pipeline)(name='blocks')
 
   class Scanned(nn.Module):
 
@@ -61,14 +66,15 @@ def liftmods_frames():
   return out
 
 
-def walk(fn) -> list:
-  """The liftmods frames at the first Scope.param call under ``fn()``."""
+def walk(fn, at: str = 'first') -> list:
+  """The liftmods frames at the first (or ``at='last'``) Scope.param call
+  under ``fn()``."""
   seen = []
   original = scope_module.Scope.param
 
   def param(self, *args, **kwargs):
-    if not seen:
-      seen.append(liftmods_frames())
+    if not seen or at == 'last':
+      seen[:] = [liftmods_frames()]
     return original(self, *args, **kwargs)
 
   scope_module.Scope.param = param
@@ -89,9 +95,14 @@ def summarize(frames) -> dict:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--model', default='nested_stack',
-                      choices=('nested_stack', 'scan'))
+                      choices=('nested_stack', 'scan', 'pipelined_stack'))
+  parser.add_argument('--at', default='first', choices=('first', 'last'),
+                      help="which Scope.param call to walk ('last': the "
+                      "pipeline's loop, after the rng-replay trace)")
   parser.add_argument('--verbose', action='store_true')
   flags = parser.parse_args()
+  jax.set_mesh(jax.make_mesh((1,), ('stage',),
+                             axis_types=(jax.sharding.AxisType.Auto,)))
   model = build(flags.model)
   x = jnp.ones((2, 8))
   rngs = {'params': jax.random.key(0), 'dropout': jax.random.key(1)}
@@ -104,12 +115,12 @@ def main():
 
   for name, fn in (('init', lambda: model.init(rngs, x)),
                    ('grad', lambda: jax.grad(loss)(variables['params']))):
-    report = summarize(walk(fn))
+    report = summarize(walk(fn, flags.at))
     print(f"{name}: {report['files']} files, {report['switches']} switches, "
           f"{report['frames']} frames")
     print('  ' + ' -> '.join(report['path']))
     if flags.verbose:
-      for f, fn_name in walk(fn):
+      for f, fn_name in walk(fn, flags.at):
         print(f'    {f}:{fn_name}')
 
 
