@@ -232,31 +232,28 @@ class EventKind:
   Attributes:
     name: what the events are, for reading.
     keyed: events are ``(key, value)`` pairs gathered in a dict (a key
-      seen again keeps its first place and takes the later value); when
-      False they are gathered in a list, in the order they happen.
-    shared: when a :func:`record` block of this kind ends, what it gathered
-      is added to the enclosing block of the kind, so every block sees
-      the events of the blocks inside it; when False only the innermost
-      block sees an event.
+      seen again keeps its first place and takes the later value), and
+      when a :func:`record` block of the kind ends, its dict is added to
+      the enclosing block's, so every block sees the events of the blocks
+      inside it. When False, events are gathered in a list, in the order
+      they happen, and only the innermost block sees an event.
   """
 
   name: str
   keyed: bool
-  shared: bool
 
   def __repr__(self):
     return f'EventKind({self.name!r})'
 
 
 # A wrapped module method call starting: a ModuleCall (record_calls).
-MODULE_CALLS = EventKind('module calls', keyed=False, shared=False)
+MODULE_CALLS = EventKind('module calls', keyed=False)
 # A logical name passed to with_logical_constraint: ``(name, None)``, the
 # dict being an ordered set (spmd.record_constraint_names).
-CONSTRAINT_NAMES = EventKind('logical constraint names', keyed=True,
-                             shared=True)
+CONSTRAINT_NAMES = EventKind('logical constraint names', keyed=True)
 # A pipelined stack called: ``(module path, stage mesh axis)``
 # (pipeline.record_stage_axes).
-STAGE_AXES = EventKind('pipelined stacks', keyed=True, shared=True)
+STAGE_AXES = EventKind('pipelined stacks', keyed=True)
 
 
 @contextlib.contextmanager
@@ -264,7 +261,7 @@ def record(kind: EventKind) -> Iterator[list | dict]:
   """Gathers the events of ``kind`` this thread notes in the ``with`` body.
 
   Blocks nest: an event goes to the innermost open block of its kind, and
-  for a ``shared`` kind each block passes what it gathered to the
+  for a ``keyed`` kind each block passes what it gathered to the
   enclosing one when it ends. Other threads are not affected, and blocks
   of other kinds neither.
 
@@ -294,25 +291,25 @@ def record(kind: EventKind) -> Iterator[list | dict]:
       del open_records[kind]
     else:
       open_records[kind] = outer
-      if kind.shared:
-        if kind.keyed:
-          outer.update(mine)
-        else:
-          outer.extend(mine)
+      if kind.keyed:
+        outer.update(mine)
 
 
-def is_recording(kind: EventKind) -> bool:
-  """Whether a :func:`record` block of ``kind`` is open in this thread.
+def open_record(kind: EventKind) -> list | dict | None:
+  """The container of the innermost :func:`record` block of ``kind`` open
+  in this thread, or None when none is open.
 
-  Lets a caller skip the work of building events nobody gathers.
+  One lookup: a caller with several events, or with events costly to
+  build, asks once and fills the container itself (``update`` for a keyed
+  kind, ``extend`` otherwise), skipping the work when it gets None.
 
   Args:
     kind: the kind of event.
 
   Returns:
-    True inside such a block.
+    The dict (``kind.keyed``) or list the block yielded, or None.
   """
-  return kind in calls.records
+  return calls.records.get(kind)
 
 
 def note(kind: EventKind, event: Any) -> None:

@@ -250,12 +250,12 @@ def record_constraint_names() -> contextlib.AbstractContextManager[dict]:
   return call_context.record(call_context.CONSTRAINT_NAMES)
 
 
-def _note_names(logical_axis_resources) -> None:
+def _add_constraint_names(seen: dict, logical_axis_resources) -> None:
   for names in jax.tree_util.tree_leaves(logical_axis_resources,
                                          is_leaf=is_logical_names):
     for n in names if isinstance(names, tuple) else (names,):
       if isinstance(n, str):
-        call_context.note(call_context.CONSTRAINT_NAMES, (n, None))
+        seen[n] = None
 
 
 def with_logical_constraint(
@@ -279,9 +279,12 @@ def with_logical_constraint(
   Returns:
     ``x``, constrained.
   """
-  if (logical_axis_resources is not None
-      and call_context.is_recording(call_context.CONSTRAINT_NAMES)):
-    _note_names(logical_axis_resources)
+  # Without any recording block open, one dict truthiness test (as a
+  # module call makes); else one lookup of the names block, filled directly.
+  if logical_axis_resources is not None and call_context.calls.records:
+    seen = call_context.open_record(call_context.CONSTRAINT_NAMES)
+    if seen is not None:
+      _add_constraint_names(seen, logical_axis_resources)
   if rules is None:
     rules = get_logical_axis_rules()
   if not rules or logical_axis_resources is None:

@@ -12,7 +12,7 @@ import pytest
 import liftmods as nn
 from liftmods import call_context, pipeline, spmd
 from liftmods.call_context import (CONSTRAINT_NAMES, MODULE_CALLS, STAGE_AXES,
-                                   is_recording, note, record)
+                                   note, open_record, record)
 
 KINDS = (MODULE_CALLS, CONSTRAINT_NAMES, STAGE_AXES)
 X = jnp.ones((2, 4))
@@ -47,24 +47,24 @@ def test_nothing_is_open_outside_blocks():
   assert call_context.calls.records == {}
   assert call_context.calls.recording is None
   for kind in KINDS:
-    assert not is_recording(kind)
+    assert open_record(kind) is None
     note(kind, ('ignored', None) if kind.keyed else 'ignored')  # no effect
   assert call_context.calls.records == {}
 
 
 def test_kinds_are_distinct_and_described():
   assert len(set(map(id, KINDS))) == 3
-  assert not MODULE_CALLS.keyed and not MODULE_CALLS.shared
-  assert CONSTRAINT_NAMES.keyed and CONSTRAINT_NAMES.shared
-  assert STAGE_AXES.keyed and STAGE_AXES.shared
+  assert not MODULE_CALLS.keyed
+  assert CONSTRAINT_NAMES.keyed and STAGE_AXES.keyed
   assert repr(STAGE_AXES) == "EventKind('pipelined stacks')"
 
 
 def test_the_three_kinds_from_one_run():
   with (record(MODULE_CALLS) as calls, record(CONSTRAINT_NAMES) as names,
         record(STAGE_AXES) as stacks):
-    for kind in KINDS:
-      assert is_recording(kind)
+    assert open_record(MODULE_CALLS) is calls
+    assert open_record(CONSTRAINT_NAMES) is names
+    assert open_record(STAGE_AXES) is stacks
     _init_shapes()
   assert call_context.calls.records == {}
   paths = [c.path for c in calls]
@@ -100,7 +100,7 @@ def test_module_calls_reach_the_innermost_block_only():
 
 
 @pytest.mark.parametrize('kind', [CONSTRAINT_NAMES, STAGE_AXES])
-def test_shared_kinds_pass_their_events_out_when_a_block_ends(kind):
+def test_keyed_kinds_pass_their_events_out_when_a_block_ends(kind):
   with record(kind) as outer:
     note(kind, ('a', 1))
     with record(kind) as inner:
@@ -112,7 +112,21 @@ def test_shared_kinds_pass_their_events_out_when_a_block_ends(kind):
     note(kind, ('c', 4))
   assert inner == {'b': 2, 'a': 3}
   assert list(outer.items()) == [('a', 3), ('b', 2), ('c', 4)]
-  assert not is_recording(kind)
+  assert open_record(kind) is None
+
+
+def test_constraint_names_of_a_tree_are_gathered_in_order_once():
+  names = {'a': ('batch', 'embed'), 'b': (None, 'embed', 'mlp'), 'c': None}
+  tree = {'a': X, 'b': X, 'c': X}
+  assert spmd.with_logical_constraint(tree, names) is tree  # no rules
+  with spmd.record_constraint_names() as outer:
+    with spmd.record_constraint_names() as inner:
+      spmd.with_logical_constraint(tree, names)
+      spmd.with_logical_constraint(X, None)  # no names: nothing to gather
+    spmd.with_logical_constraint(X, ('vocab', 'batch'))
+  assert list(inner) == ['batch', 'embed', 'mlp']
+  assert list(outer) == ['batch', 'embed', 'mlp', 'vocab']
+  assert call_context.calls.records == {}
 
 
 def test_kinds_do_not_see_each_other():
@@ -125,7 +139,7 @@ def test_kinds_do_not_see_each_other():
   assert stacks == {} and calls == []
 
 
-def test_a_block_ended_by_an_error_is_closed_and_still_shared():
+def test_a_block_ended_by_an_error_is_closed_and_still_passed_out():
   with record(STAGE_AXES) as outer:
     with pytest.raises(ValueError):
       with record(STAGE_AXES):
@@ -143,7 +157,7 @@ def test_another_thread_neither_sees_nor_feeds_this_threads_blocks():
   seen = {}
 
   def other():
-    seen['open'] = {k.name: is_recording(k) for k in KINDS}
+    seen['open'] = {k.name: open_record(k) is not None for k in KINDS}
     for kind in KINDS:
       note(kind, ('x', None) if kind.keyed else 'x')
     _init_shapes()
