@@ -399,18 +399,7 @@ def in_qdq(compute_dtype: DType, q_dtype: DType, inp: jax.Array,
 def in_qdq_fwd(compute_dtype: DType, q_dtype: DType, inp: jax.Array,
                scale: jax.Array, amax_history: jax.Array
                ) -> tuple[jax.Array, tuple]:
-  """Forward rule of :func:`in_qdq`.
-
-  Args:
-    compute_dtype: the dtype quantization runs in.
-    q_dtype: the fp8 type.
-    inp: the operand.
-    scale: its scale.
-    amax_history: its history.
-
-  Returns:
-    ``(qdq_inp, (new_scale, new_history))``.
-  """
+  """Forward rule of :func:`in_qdq`; residuals: the new scale and history."""
   quantized, new_scale, new_history = quantize_dequantize_update(
       inp, q_dtype, scale, amax_history, compute_dtype)
   return quantized, (new_scale, new_history)
@@ -418,17 +407,7 @@ def in_qdq_fwd(compute_dtype: DType, q_dtype: DType, inp: jax.Array,
 
 def in_qdq_bwd(compute_dtype: DType, q_dtype: DType, res: tuple,
                g: jax.Array) -> tuple:
-  """Backward rule of :func:`in_qdq`.
-
-  Args:
-    compute_dtype: the dtype quantization runs in.
-    q_dtype: the fp8 type.
-    res: ``(new_scale, new_history)``.
-    g: the output gradient.
-
-  Returns:
-    ``(g, new_scale, new_history)``.
-  """
+  """Backward rule of :func:`in_qdq`: ``(g, new_scale, new_history)``."""
   del compute_dtype, q_dtype
   new_scale, new_history = res
   return g, new_scale, new_history
@@ -462,35 +441,14 @@ def out_qdq(compute_dtype: DType, q_dtype: DType, out: jax.Array,
 def out_qdq_fwd(compute_dtype: DType, q_dtype: DType, out: jax.Array,
                 scale: jax.Array, amax_history: jax.Array
                 ) -> tuple[jax.Array, tuple]:
-  """Forward rule of :func:`out_qdq`.
-
-  Args:
-    compute_dtype: the dtype quantization runs in.
-    q_dtype: the fp8 type.
-    out: the output.
-    scale: the gradient's scale.
-    amax_history: the gradient's history.
-
-  Returns:
-    ``(out, (scale, amax_history))``.
-  """
+  """Forward rule of :func:`out_qdq`: ``(out, (scale, amax_history))``."""
   del compute_dtype, q_dtype
   return out, (scale, amax_history)
 
 
 def out_qdq_bwd(compute_dtype: DType, q_dtype: DType, res: tuple,
                 g: jax.Array) -> tuple:
-  """Backward rule of :func:`out_qdq`.
-
-  Args:
-    compute_dtype: the dtype quantization runs in.
-    q_dtype: the fp8 type.
-    res: ``(scale, amax_history)``.
-    g: the output gradient.
-
-  Returns:
-    ``(qdq_g, new_scale, new_history)``.
-  """
+  """Backward rule of :func:`out_qdq`: ``(qdq_g, new_scale, new_history)``."""
   scale, amax_history = res
   return quantize_dequantize_update(g, q_dtype, scale, amax_history,
                                     compute_dtype)
@@ -517,26 +475,12 @@ def in_q(compute_dtype: DType, q_dtype: DType, inp: jax.Array,
   Returns:
     ``(q_inp, new_scale)``.
   """
-  new_scale, _ = update_fp8_meta(inp, q_dtype, scale, amax_history)
-  quantized = quantize(inp, q_dtype, _fm32_to_float32(new_scale),
-                       compute_dtype)
-  return quantized, new_scale
+  return in_q_fwd(compute_dtype, q_dtype, inp, scale, amax_history)[0]
 
 
 def in_q_fwd(compute_dtype: DType, q_dtype: DType, inp: jax.Array,
              scale: jax.Array, amax_history: jax.Array) -> tuple:
-  """Forward rule of :func:`in_q`.
-
-  Args:
-    compute_dtype: the dtype quantization runs in.
-    q_dtype: the fp8 type.
-    inp: the operand.
-    scale: its scale.
-    amax_history: its history.
-
-  Returns:
-    ``((q_inp, new_scale), (new_scale, new_history))``.
-  """
+  """Forward rule of :func:`in_q`; residuals: the new scale and history."""
   new_scale, new_history = update_fp8_meta(inp, q_dtype, scale,
                                            amax_history)
   quantized = quantize(inp, q_dtype, _fm32_to_float32(new_scale),
@@ -546,17 +490,7 @@ def in_q_fwd(compute_dtype: DType, q_dtype: DType, inp: jax.Array,
 
 def in_q_bwd(compute_dtype: DType, q_dtype: DType, res: tuple,
              _: Any) -> tuple:
-  """Backward rule of :func:`in_q`: no gradient for the operand.
-
-  Args:
-    compute_dtype: the dtype quantization runs in.
-    q_dtype: the fp8 type.
-    res: ``(new_scale, new_history)``.
-    _: the output gradient (unused).
-
-  Returns:
-    ``(None, new_scale, new_history)``.
-  """
+  """Backward rule of :func:`in_q`: ``(None, new_scale, new_history)``."""
   del compute_dtype, q_dtype
   new_scale, new_history = res
   return None, new_scale, new_history
@@ -585,31 +519,12 @@ def out_dq(dq_type: DType, lhs_scale: jax.Array, rhs_scale: jax.Array,
 
 def out_dq_fwd(dq_type: DType, lhs_scale: jax.Array, rhs_scale: jax.Array,
                out: jax.Array) -> tuple[jax.Array, None]:
-  """Forward rule of :func:`out_dq`.
-
-  Args:
-    dq_type: the dtype of the result.
-    lhs_scale: the left operand's scale.
-    rhs_scale: the right operand's scale.
-    out: the quantized product.
-
-  Returns:
-    ``(dequantized, None)``.
-  """
+  """Forward rule of :func:`out_dq`: ``(dequantized, None)``."""
   return out_dq(dq_type, lhs_scale, rhs_scale, out), None
 
 
 def out_dq_bwd(dq_type: DType, _: Any, g: jax.Array) -> tuple:
-  """Backward rule of :func:`out_dq`: the gradient passes to ``out``.
-
-  Args:
-    dq_type: the dtype of the result (unused).
-    _: the residuals (none).
-    g: the output gradient.
-
-  Returns:
-    ``(None, None, g)``.
-  """
+  """Backward rule of :func:`out_dq`: ``(None, None, g)``, all to ``out``."""
   del dq_type
   return None, None, g
 
@@ -643,10 +558,9 @@ def quantized_dot(lhs: jax.Array, q_lhs: jax.Array, lhs_scale: jax.Array,
   Returns:
     The (still scaled) product.
   """
-  del lhs, lhs_scale, rhs, rhs_scale, out_grad_scale, out_grad_amax_history
-  return lax.dot_general(q_lhs, q_rhs, dimension_numbers,
-                         preferred_element_type=preferred_element_type,
-                         precision=lax.Precision.DEFAULT)
+  return quantized_dot_fwd(lhs, q_lhs, lhs_scale, rhs, q_rhs, rhs_scale,
+                           out_grad_scale, out_grad_amax_history,
+                           dimension_numbers, preferred_element_type)[0]
 
 
 def quantized_dot_fwd(lhs: jax.Array, q_lhs: jax.Array,
@@ -656,23 +570,7 @@ def quantized_dot_fwd(lhs: jax.Array, q_lhs: jax.Array,
                       out_grad_amax_history: jax.Array,
                       dimension_numbers: Any,
                       preferred_element_type: DType | None) -> tuple:
-  """Forward rule of :func:`quantized_dot`.
-
-  Args:
-    lhs: the left operand.
-    q_lhs: the quantized left operand.
-    lhs_scale: its scale.
-    rhs: the right operand.
-    q_rhs: the quantized right operand.
-    rhs_scale: its scale.
-    out_grad_scale: the output gradient's scale.
-    out_grad_amax_history: the output gradient's history.
-    dimension_numbers: as for ``lax.dot_general``.
-    preferred_element_type: the result dtype.
-
-  Returns:
-    ``(product, residuals)``.
-  """
+  """Forward rule of :func:`quantized_dot`: ``(product, residuals)``."""
   out = lax.dot_general(q_lhs, q_rhs, dimension_numbers,
                         preferred_element_type=preferred_element_type,
                         precision=lax.Precision.DEFAULT)
@@ -684,18 +582,7 @@ def quantized_dot_fwd(lhs: jax.Array, q_lhs: jax.Array,
 def quantized_dot_bwd(dimension_numbers: Any,
                       preferred_element_type: DType | None, res: tuple,
                       g: jax.Array) -> tuple:
-  """Backward rule of :func:`quantized_dot`.
-
-  Args:
-    dimension_numbers: as for ``lax.dot_general``.
-    preferred_element_type: the result dtype.
-    res: the residuals of the forward rule.
-    g: the output gradient.
-
-  Returns:
-    The operands' gradients (None for the quantized copies and scales) and
-      the gradient's new scale and history.
-  """
+  """Backward rule of :func:`quantized_dot`, through an e5m2 gradient."""
   (lhs, q_lhs, lhs_scale, rhs, q_rhs, rhs_scale, out_grad_scale,
    out_grad_amax_history) = res
   new_scale, new_history = update_fp8_meta(
