@@ -43,7 +43,6 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any as AnyType
 
-from liftmods.core import caching
 from liftmods.module import Module
 from liftmods.state import errors
 
@@ -220,24 +219,16 @@ class Path(Filter):
 def _glob_prefix_match(pattern: tuple, keys: tuple) -> bool:
   """Whether some prefix of ``keys`` matches ``pattern`` key by key, ``**``
   spanning any number of keys."""
-
-  @functools.lru_cache(maxsize=None)
-  def match(i: int, j: int) -> bool:
-    if i == len(pattern):
-      return True
-    if pattern[i] == '**':
-      return match(i + 1, j) or (j < len(keys) and match(i, j + 1))
-    return (j < len(keys) and fnmatch.fnmatchcase(keys[j], pattern[i])
-            and match(i + 1, j + 1))
-
-  return match(0, 0)
-
-
-caching.register('state.filters._glob_prefix_match.match', caching.Policy(
-    holds='whether a glob from pattern key i matches from path key j',
-    keyed_on='(pattern index, path index)',
-    bound='per call',
-    cleared='when the call returns'))
+  ends = [0]  # where the pattern read so far can end in keys, ascending
+  for glob in pattern:
+    if glob == '**':
+      ends = range(ends[0], len(keys) + 1)
+    else:
+      ends = [j + 1 for j in ends
+              if j < len(keys) and fnmatch.fnmatchcase(keys[j], glob)]
+    if not ends:
+      return False
+  return True
 
 
 @dataclasses.dataclass(frozen=True)
