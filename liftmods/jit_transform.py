@@ -252,12 +252,13 @@ caching.register('jit_transform.fast_apply_for', caching.Policy(
           "`_fast_apply_key` in each module's `__dict__`",
     keyed_on='`ModuleKey` of the module (static argument)',
     bound="JAX's jit cache",
-    cleared='`jax.clear_caches()`; the key when the module is collected'))
+    cleared="as JAX's jit cache evicts; the key when the module is "
+            'collected'))
 caching.register('jit_transform.unbound_jit', caching.Policy(
     holds='traces of `nn.jit` called unbound',
     keyed_on='`ModuleKey` (static argument)',
     bound="JAX's jit cache",
-    cleared='`jax.clear_caches()`'))
+    cleared="as JAX's jit cache evicts"))
 
 
 # -- lifting -------------------------------------------------------------------

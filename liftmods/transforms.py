@@ -97,7 +97,7 @@ _PLAIN_ARG_TYPES = set()  # types seen as call arguments that hold no module
 caching.register('transforms._PLAIN_ARG_TYPES', caching.Policy(
     holds='types seen as call arguments that hold no module',
     keyed_on='argument type', bound='one entry per type',
-    cleared='`caching.clear_caches()`'), clear=_PLAIN_ARG_TYPES.clear)
+    cleared='never'), clear=_PLAIN_ARG_TYPES.clear)
 
 
 def needs_walk(args: tuple, kwargs: dict | None) -> bool:

@@ -18,7 +18,8 @@ and a hot entry survives any number of one-off keys passing through.
 ['a', 'c']
 
 Each table of the package is listed, with its ``Policy``, in one registry:
-a named ``BoundedCache`` lists itself, other tables (weak dictionaries,
+a named ``BoundedCache`` lists itself (every one made at that line of the
+code passes the same policy), other tables (weak dictionaries,
 ``lru_cache`` functions, dicts filled on lookup) call ``register`` where
 they are made, and the few whose modules cannot import this one are listed
 here. ``registry()`` returns them all; ``clear_caches()`` empties those
@@ -45,7 +46,10 @@ class Policy:
     holds: what an entry is.
     keyed_on: what an entry is looked up by.
     bound: how many entries there can be ('4096 entries', 'weak', ...).
-    cleared: when entries leave ('on eviction', 'never', ...).
+    cleared: when entries leave on their own ('on eviction', 'when the
+      function is collected', ...), or 'never'. Emptying by
+      ``clear_caches()`` is not counted here: ``CacheInfo.clearable`` says
+      whether it happens.
   """
 
   holds: str
@@ -88,15 +92,14 @@ def _record(name: str, policy: Policy, clearable: bool) -> None:
 
 
 def register(name: str, policy: Policy,
-             clear: Callable[[], Any] | None = None, *,
-             bounded: bool = False) -> None:
+             clear: Callable[[], Any] | None = None) -> None:
   """Lists a table in the registry.
 
-  A ``BoundedCache`` made once at import can list itself instead (its
-  ``name`` and ``policy`` arguments); one made later, on each call of some
-  function, is registered at import with ``bounded=True`` and made with
-  its ``name`` alone. Registering a name again with the same policy does
-  nothing.
+  A ``BoundedCache`` lists itself instead (its ``name`` and ``policy``
+  arguments). A table of ``BoundedCache`` instances made later, on each
+  call of some function (lifted jit's), is listed here at import with
+  ``clear=clear_bounded_caches``, and each instance passes the same policy.
+  Registering a name again with the same policy does nothing.
 
   Args:
     name: where the table lives, dotted from the package root (see
@@ -105,13 +108,11 @@ def register(name: str, policy: Policy,
     clear: empties the table, for ``clear_caches()``. Leave it out for a
       table whose entries carry meaning beyond remembered work (emptying
       it would change what the package computes or says).
-    bounded: the table is made of ``BoundedCache`` instances, which
-      ``clear_caches()`` empties without a ``clear`` function.
 
   Raises:
     ValueError: ``name`` is registered with another policy.
   """
-  _record(name, policy, bounded or clear is not None)
+  _record(name, policy, clear is not None)
   if clear is not None:
     _CLEARERS[name] = clear
 
@@ -132,6 +133,13 @@ def registry() -> tuple[CacheInfo, ...]:
   return tuple(_TABLES[name] for name in sorted(_TABLES))
 
 
+def clear_bounded_caches() -> None:
+  """Empties every ``BoundedCache``: the ``clear`` function of a table whose
+  instances are made after import (``register``)."""
+  for cache in list(_LIVE):
+    cache.clear()
+
+
 def clear_caches() -> None:
   """Empties every ``BoundedCache`` and every table registered with a
   ``clear`` function.
@@ -141,9 +149,8 @@ def clear_caches() -> None:
   the numbers standing for precision policies, warnings already given) are
   left alone, and so are JAX's own caches (``jax.clear_caches()``).
   """
-  for cache in list(_LIVE):
-    cache.clear()
-  for clear in list(_CLEARERS.values()):
+  # Each function once: several tables may share one.
+  for clear in dict.fromkeys((clear_bounded_caches, *_CLEARERS.values())):
     clear()
 
 
@@ -157,32 +164,29 @@ class BoundedCache:
 
   Args:
     limit: the most entries it holds.
-    name: the cache's name in the registry (see ``register``); caches made
-      at one place of the code share it.
-    policy: the cache's policy, listed under ``name``; may be left out when
-      ``name`` is already registered.
+    name: the cache's name in the registry (see ``CacheInfo.name``);
+      caches made at one place of the code share it.
+    policy: the cache's policy, listed under ``name``. Caches made at one
+      place pass the same policy (a module-level constant, so that listing
+      it again costs one identity test).
 
   Raises:
-    ValueError: ``limit`` is not positive, ``policy`` comes without
-      ``name``, or ``name`` is unregistered and comes without ``policy``.
+    ValueError: ``limit`` is not positive, or one of ``name`` and
+      ``policy`` comes without the other.
   """
 
-  __slots__ = ('limit', 'name', '_data', '__weakref__')
+  __slots__ = ('limit', '_data', '__weakref__')
 
   def __init__(self, limit: int, *, name: str | None = None,
                policy: Policy | None = None):
     if limit < 1:
       raise ValueError(f'BoundedCache needs a positive limit, got {limit}')
+    if (name is None) != (policy is None):
+      raise ValueError('a BoundedCache with a name needs a policy, and one '
+                       f'with a policy a name (name={name!r})')
     if name is not None:
-      if policy is not None:
-        _record(name, policy, clearable=True)
-      elif name not in _TABLES:
-        raise ValueError(f'BoundedCache {name!r} is not registered: pass '
-                         'its policy')
-    elif policy is not None:
-      raise ValueError('a BoundedCache with a policy needs a name')
+      _record(name, policy, clearable=True)
     self.limit = limit
-    self.name = name
     self._data = {}  # key -> [value, used]
     _LIVE.add(self)
 
@@ -254,24 +258,10 @@ def hashable_flags(flags: Mapping | None) -> tuple:
     return ('flags-id', id(flags))
 
 
-# Tables whose modules do not register them: ``dtypes`` sits below this
-# module in the layer map, and the replay cache of ``core/rng_counters.py``
-# is a class attribute named here. Each entry is
-# (name, policy, whether the table is made of BoundedCaches). A module that
-# registers its own table takes its entry out of this list.
-_LISTED = (
-    ('core.rng_counters.RngReplay.cache', Policy(
-        holds='rng-counter snapshots after the first and the loop trace of '
-              'a loop body (`lift.scan`, `layer_scan`)',
-        keyed_on='traced site, scope paths, flags, counters before',
-        bound='512 entries',
-        cleared='on eviction'), True),
-    ('dtypes._INEXACT', Policy(
-        holds='whether a dtype is inexact',
-        keyed_on='dtype',
-        bound='one entry per dtype',
-        cleared='never'), False),
-)
-for _name, _policy, _bounded in _LISTED:
-  register(_name, _policy, bounded=_bounded)
-del _name, _policy, _bounded
+# The table whose module does not register it: ``dtypes`` sits below this
+# module in the layer map.
+register('dtypes._INEXACT', Policy(
+    holds='whether a dtype is inexact',
+    keyed_on='dtype',
+    bound='one entry per dtype',
+    cleared='never'))

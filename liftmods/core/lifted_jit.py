@@ -35,13 +35,15 @@ class _JitEntry:
 
 # Compiled functions kept per lifted jit (each holds its own jax.jit caches).
 JIT_CACHE_LIMIT = 128
-caching.register('core.lifted_jit.jit.cache', caching.Policy(
+JIT_CACHE_POLICY = caching.Policy(
     holds='compiled entries of one `jit(...)` (for `nn.jit`: of one lifted '
           'method, made on its first bound call)',
     keyed_on='`hash_key` (`ModuleKey`: module configuration), mutability, '
              'flags, scope-tree structure, counters before',
     bound=f'{JIT_CACHE_LIMIT} entries per jitted function',
-    cleared='on eviction; with the jitted function'), bounded=True)
+    cleared='on eviction; with the jitted function')
+caching.register('core.lifted_jit.jit.cache', JIT_CACHE_POLICY,
+                 clear=caching.clear_bounded_caches)
 
 
 def jit(fn: Callable[..., Any], variables: Any = True, rngs: Any = True,
@@ -91,7 +93,8 @@ def jit(fn: Callable[..., Any], variables: Any = True, rngs: Any = True,
   filters, rng_filters = (variables,), (rngs,)
   out_union = union(False, variables)
   context = _JitContext()
-  cache = BoundedCache(JIT_CACHE_LIMIT, name='core.lifted_jit.jit.cache')
+  cache = BoundedCache(JIT_CACHE_LIMIT, name='core.lifted_jit.jit.cache',
+                       policy=JIT_CACHE_POLICY)
 
   def new_entry():
     # A fresh function object per entry so that JAX's own caches (which key

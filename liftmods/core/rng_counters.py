@@ -21,7 +21,7 @@ replays a cached call's effect (``changes``/``apply_changes``); the loops
 (``lift.scan``, ``layer_scan``) replay the effect of the extra trace they
 skip (``RngReplay``, driven by ``axes_scan.trace_loop`` for both).
 """
-from liftmods.core.caching import BoundedCache, hashable_flags
+from liftmods.core.caching import BoundedCache, Policy, hashable_flags
 
 
 def snapshot(counters: dict) -> tuple:
@@ -133,7 +133,13 @@ class RngReplay:
   ``(after_first_trace, after_loop_trace)`` snapshots.
   """
 
-  cache = BoundedCache(512, name='core.rng_counters.RngReplay.cache')
+  cache = BoundedCache(
+      512, name='core.rng_counters.RngReplay.cache', policy=Policy(
+          holds='rng-counter snapshots after the first and the loop trace '
+                'of a loop body (`lift.scan`, `layer_scan`)',
+          keyed_on='traced site, scope paths, flags, counters before',
+          bound='512 entries',
+          cleared='on eviction'))
 
   def __init__(self, scopes, site):
     """``site``: what identifies the traced code and its inputs' structure

@@ -21,7 +21,7 @@ import pytest
 
 import liftmods as nn
 from liftmods import precision
-from liftmods.core import caching, init_shapes
+from liftmods.core import caching, init_shapes, lift, lifted_jit
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / 'liftmods'
@@ -264,10 +264,13 @@ def test_docs_caches_table_shows_the_registry():
 
 def test_bounded_cache_registration_is_checked():
   policy = caching.Policy(holds='x', keyed_on='x', bound='x', cleared='x')
-  with pytest.raises(ValueError, match='needs a name'):
+  with pytest.raises(ValueError, match='with a policy a name'):
     caching.BoundedCache(2, policy=policy)
-  with pytest.raises(ValueError, match='not registered'):
-    caching.BoundedCache(2, name='nowhere.table')
+  # A name alone is refused even when the name is registered: every
+  # named cache carries its policy.
+  for name in ('nowhere.table', 'core.init_shapes._SHAPE_CACHE'):
+    with pytest.raises(ValueError, match='with a name needs a policy'):
+      caching.BoundedCache(2, name=name)
   with pytest.raises(ValueError, match='another policy'):
     caching.register('core.init_shapes._SHAPE_CACHE', policy)
   assert 'nowhere.table' not in {c.name for c in caching.registry()}
@@ -293,3 +296,30 @@ def test_clear_caches_empties_memos_and_results_stay():
   assert (nn.core.apply(model)(variables, x) == y).all()
   _, again = nn.core.init(model)(jax.random.key(0), x)
   assert (again['params']['kernel'] == variables['params']['kernel']).all()
+
+
+def test_cleared_says_only_when_entries_leave_by_themselves():
+  # Emptying by clear_caches() is the clearable flag's business.
+  for info in full_registry().values():
+    assert 'clear_caches' not in info.policy.cleared, info.name
+
+
+def test_clear_caches_empties_the_caches_made_per_jitted_function():
+  info = full_registry()['core.lifted_jit.jit.cache']
+  assert info.clearable and info.policy is lifted_jit.JIT_CACHE_POLICY
+  traces = []
+
+  def body(scope, hash_key, x):
+    del scope, hash_key
+    traces.append(None)
+    return x * 2
+
+  jitted = lift.jit(body)
+  run = nn.core.apply(lambda scope, x: jitted(scope, 'key', x))
+  x = jnp.ones(3)
+  for _ in range(2):
+    assert (run({}, x) == 2).all()
+  assert len(traces) == 1
+  caching.clear_caches()
+  assert (run({}, x) == 2).all()
+  assert len(traces) == 2  # a new entry, traced again
