@@ -264,14 +264,23 @@ def _scope_fn_for(self, state, fn, fn_name, multi_scope=True, cls=None):
   def scope_fn(scopes, *args, **kwargs):
     if not multi_scope:
       scopes = [scopes]
-    clone, args, kwargs = set_module_scopes(self, args, kwargs, scopes, cls)
-    object.__setattr__(clone, '_state', state.export())
-    out = fn(clone, *args, **kwargs)
-    self._state.reimport(clone._state)
-    _check_return(out, fn_name)
-    return out
+    # A fresh copy per trace: a transform may trace its body more than once.
+    return _call_clone(self, state.export(), fn, fn_name, scopes, args,
+                       kwargs, cls)
 
   return scope_fn
+
+
+def _call_clone(module, state, fn, fn_name, scopes, args, kwargs, cls):
+  """``fn`` on a clone of ``module`` bound to ``scopes``: the clone starts
+  from the naming state ``state`` (a copy of its own), and its naming state
+  afterwards is handed back to ``module``."""
+  clone, args, kwargs = set_module_scopes(module, args, kwargs, scopes, cls)
+  object.__setattr__(clone, '_state', state)
+  out = fn(clone, *args, **kwargs)
+  module._state.reimport(clone._state)
+  _check_return(out, fn_name)
+  return out
 
 
 def call_on_scopes(module: Module, fn: Callable[..., Any], fn_name: str,
@@ -298,9 +307,8 @@ def call_on_scopes(module: Module, fn: Callable[..., Any], fn_name: str,
   Raises:
     TransformedMethodReturnValueError: ``fn`` returned a module or Variable.
   """
-  scope_fn = _scope_fn_for(module, module._state.export(), fn, fn_name,
-                           cls=cls)
-  return scope_fn(scopes, *args, **kwargs)
+  return _call_clone(module, module._state.export(), fn, fn_name, scopes,
+                     args, kwargs, cls)
 
 
 @api_boundary
