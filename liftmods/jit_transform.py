@@ -28,6 +28,7 @@ import jax
 from liftmods import errors
 from liftmods.call_context import active_interceptors, calls
 from liftmods.core import caching, lift
+from liftmods.core.lifted_jit import shift_argnums
 from liftmods.core.frozen_dict import FrozenDict
 from liftmods.module import DECLINED, Module, wrap_method
 from liftmods.traceback_util import api_boundary
@@ -215,16 +216,14 @@ def _module_keyed_jit(run, trafo_kwargs, before_args=0):
   """``jax.jit`` of ``run(module_key, *before, *args)`` with the module key
   static: nn.jit's argument numbers (``self`` is 0) moved past the
   ``before_args`` arguments that ``run`` takes ahead of the user's."""
-  def shift(nums):
-    nums = (nums,) if isinstance(nums, int) else nums
-    return tuple(i + before_args for i in nums if i > 0)
-
   extra = {k: trafo_kwargs[k] for k in ('device', 'backend')
            if trafo_kwargs.get(k) is not None}
+  static = shift_argnums(trafo_kwargs.get('static_argnums', ()), before_args)
   return jax.jit(
-      run, static_argnums=(0,) + shift(trafo_kwargs.get('static_argnums', ())),
+      run, static_argnums=(0,) + static,
       static_argnames=trafo_kwargs.get('static_argnames', ()),
-      donate_argnums=shift(trafo_kwargs.get('donate_argnums', ())), **extra)
+      donate_argnums=shift_argnums(trafo_kwargs.get('donate_argnums', ()),
+                                   before_args), **extra)
 
 
 def unbound_jit(fn: Callable[..., Any],

@@ -46,6 +46,29 @@ caching.register('core.lifted_jit.jit.cache', JIT_CACHE_POLICY,
                  clear=caching.clear_bounded_caches)
 
 
+def shift_argnums(argnums: int | Iterable[int], by: int) -> tuple[int, ...]:
+  """Argument numbers that count a scope or module as argument 0, moved
+  for a function that takes ``by`` arguments in front of argument 1.
+
+  Entry 0 (the scope or module itself, never traced) and negative entries
+  are dropped.
+
+  Args:
+    argnums: an argument number or several (``static_argnums``,
+      ``donate_argnums``).
+    by: how far the arguments after the scope or module move.
+
+  Returns:
+    The moved numbers.
+
+  >>> shift_argnums(2, 1), shift_argnums((0, 1, 3), 0)
+  ((3,), (1, 3))
+  """
+  if not isinstance(argnums, Iterable):
+    argnums = (argnums,)
+  return tuple(i + by for i in argnums if i > 0)
+
+
 def jit(fn: Callable[..., Any], variables: Any = True, rngs: Any = True,
         static_argnums: int | Iterable[int] = (),
         static_argnames: str | Iterable[str] = (),
@@ -77,15 +100,10 @@ def jit(fn: Callable[..., Any], variables: Any = True, rngs: Any = True,
   Returns:
     The compiled ``f(scope, hash_key, *args)``.
   """
-  if not isinstance(static_argnums, Iterable):
-    static_argnums = (static_argnums,)
-  if not isinstance(donate_argnums, Iterable):
-    donate_argnums = (donate_argnums,)
   # Inside: (variable_groups, rng_groups, *args); user arg i>0 is args[i-1].
-  jit_kwargs = dict(
-      static_argnums=tuple(i + 1 for i in static_argnums if i > 0),
-      static_argnames=static_argnames,
-      donate_argnums=tuple(i + 1 for i in donate_argnums if i > 0))
+  jit_kwargs = dict(static_argnums=shift_argnums(static_argnums, 1),
+                    static_argnames=static_argnames,
+                    donate_argnums=shift_argnums(donate_argnums, 1))
   if device is not None:
     jit_kwargs['device'] = device
   if backend is not None:
