@@ -108,3 +108,28 @@ def test_named_call_label_is_shared(monkeypatch):
   monkeypatch.setattr(jax, 'named_call', spy)
   Probe().apply({}, X, method=lnn.named_call(Probe.helper))
   assert seen == ['Probe.helper']
+
+  # The other user of the label: every module method call runs under
+  # ``jax.named_scope`` while named calls are on.
+  scopes, real_scope = [], jax.named_scope
+
+  def scope_spy(name):
+    scopes.append(name)
+    return real_scope(name)
+
+  class Outer(lnn.Module):
+
+    @lnn.compact
+    def __call__(self, x):
+      probe = Probe(name='p')
+      return probe.helper(probe(x))
+
+  monkeypatch.setattr(jax, 'named_scope', scope_spy)
+  with lnn.override_named_call(False):
+    Outer().apply({}, X)
+  assert not scopes
+  with lnn.override_named_call(True):
+    Outer().apply({}, X)
+    Probe().apply({}, X, method='helper')
+  assert scopes == ['Outer', 'p', 'p.helper', 'Probe.helper']
+
