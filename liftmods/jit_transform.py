@@ -231,7 +231,8 @@ def unbound_jit(fn: Callable[..., Any],
   """``jax.jit`` of ``fn(module, *args)`` for an unbound module.
 
   Used e.g. for an ``init_with_output`` override: the module is a static
-  argument, keyed by its configuration, and a clone of it runs inside.
+  argument, keyed by its configuration (``unbound_key``), and a clone of it
+  runs inside.
 
   Args:
     fn: the method's function.
@@ -246,6 +247,37 @@ def unbound_jit(fn: Callable[..., Any],
   return _module_keyed_jit(run, trafo_kwargs)
 
 
+def unbound_key(module: Module) -> ModuleKey:
+  """``ModuleKey(module)`` for an unbound module, kept in its ``__dict__``.
+
+  When every field of the module is its own fingerprint (numbers, strings,
+  functions, classes: ``_leaf_fingerprint``), the fields cannot change (a
+  Module is frozen) and hold nothing that can, so the key is made once and
+  reused while the naming state and the active interceptors, the parts of
+  the key that can change, are those it was made with. Otherwise (a field
+  may hold a module, a list, a dict) the key is made afresh each time.
+
+  Args:
+    module: an unbound module.
+
+  Returns:
+    Its key.
+  """
+  d = module.__dict__
+  key = d.get('_unbound_jit_key')
+  if key is None:
+    fingerprint = _leaf_fingerprint(module)
+    if fingerprint is None:
+      return ModuleKey(module)
+  elif (key.interceptors == active_interceptors()
+        and key.key[1] == _state_key(module)):
+    return key
+  else:
+    fingerprint = key.key[0]
+  key = d['_unbound_jit_key'] = ModuleKey(module, fingerprint)
+  return key
+
+
 caching.register('jit_transform.fast_apply_for', caching.Policy(
     holds='`nn.jit` fast apply: one `jax.jit` per lifted class, and '
           "`_fast_apply_key` in each module's `__dict__`",
@@ -254,10 +286,13 @@ caching.register('jit_transform.fast_apply_for', caching.Policy(
     cleared="as JAX's jit cache evicts; the key when the module is "
             'collected'))
 caching.register('jit_transform.unbound_jit', caching.Policy(
-    holds='traces of `nn.jit` called unbound',
+    holds='traces of `nn.jit` called unbound, and `_unbound_jit_key` in '
+          "each such module's `__dict__` (when its fields are all plain "
+          'values)',
     keyed_on='`ModuleKey` (static argument)',
     bound="JAX's jit cache",
-    cleared="as JAX's jit cache evicts"))
+    cleared="as JAX's jit cache evicts; the key when the module is "
+            'collected'))
 
 
 # -- lifting -------------------------------------------------------------------
@@ -279,7 +314,7 @@ def _jit_lift(fn, fn_name, cls, trafo_kwargs, transform=lift.jit):
     if self.scope is None and transform is lift.jit:
       if unbound is None:
         unbound = unbound_jit(fn, trafo_kwargs)
-      return unbound(ModuleKey(self), *args, **kwargs)
+      return unbound(unbound_key(self), *args, **kwargs)
     if core is None:
       core = transform(scope_fn, **trafo_kwargs)
     # Each rng sequence is replaced by a fresh key made from it (as Linen's

@@ -133,3 +133,66 @@ def test_named_call_label_is_shared(monkeypatch):
     Probe().apply({}, X, method='helper')
   assert scopes == ['Outer', 'p', 'p.helper', 'Probe.helper']
 
+
+class InitOverride(lnn.Module):
+  """A module whose jitted ``init_with_output`` runs unbound, counting the
+  traces of its call in ``COUNT``."""
+  features: int = 3
+
+  @lnn.compact
+  def __call__(self, x):
+    COUNT.append(None)
+    return lnn.Dense(self.features)(x)
+
+  @lnn.jit
+  def init_with_output(self, rngs, *args, **kwargs):
+    return super().init_with_output(rngs, *args, **kwargs)
+
+
+class HeldOverride(InitOverride):
+  extra: tuple = ()  # not a plain value: the key is not kept
+
+
+COUNT = []
+
+
+def test_unbound_jit_keeps_the_key_of_a_plain_module(monkeypatch):
+  COUNT.clear()
+  walks = []
+  for name in ('_fingerprint', '_leaf_fingerprint'):
+    real = getattr(jit_transform, name)
+    monkeypatch.setattr(jit_transform, name,
+                        lambda m, real=real: walks.append(m) or real(m))
+  plain = InitOverride()
+  y, _ = plain.init_with_output(KEY, X)
+  key = plain.__dict__['_unbound_jit_key']
+  assert len(COUNT) == 1 and len(walks) == 1
+  again, _ = plain.init_with_output(KEY, X)
+  assert plain.__dict__['_unbound_jit_key'] is key
+  assert len(COUNT) == 1 and len(walks) == 1  # no walk, no trace
+  np.testing.assert_array_equal(again, y)
+  # An equal module has an equal key: the trace is shared.
+  InitOverride().init_with_output(KEY, X)
+  assert len(COUNT) == 1 and len(walks) == 2
+  # The active interceptors are part of the key: made afresh (from the
+  # kept fingerprint), traced anew, and the new key serves while they last.
+  with lnn.intercept_methods(lambda f, args, kwargs, context: f(*args,
+                                                                **kwargs)):
+    plain.init_with_output(KEY, X)
+    plain.init_with_output(KEY, X)
+  assert len(COUNT) == 2 and len(walks) == 2
+  plain.init_with_output(KEY, X)
+  assert len(COUNT) == 2 and len(walks) == 2
+  assert InitOverride(5).init_with_output(KEY, X)[0].shape == (2, 5)
+
+
+def test_unbound_jit_makes_the_key_of_other_modules_each_call():
+  COUNT.clear()
+  held = HeldOverride(extra=(1, 2))
+  y, _ = held.init_with_output(KEY, X)
+  again, _ = held.init_with_output(KEY, X)
+  assert '_unbound_jit_key' not in held.__dict__
+  assert len(COUNT) == 1  # still one trace: equal keys
+  np.testing.assert_array_equal(again, y)
+  HeldOverride(extra=(1, 3)).init_with_output(KEY, X)
+  assert len(COUNT) == 2
