@@ -37,9 +37,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from liftmods import errors, pipeline as pipelining
-from liftmods.core import meta
+from liftmods.core import caching, meta
 from liftmods.traceback_util import api_boundary
-from liftmods.call_context import split_arrays
+from liftmods.call_context import active_interceptors, calls, is_array
 from liftmods.spmd import (UNASSIGNED, LogicalRules, LogicallyPartitioned,
                            RulesFallback, assign_mesh_axes,
                            get_logical_axis_rules, logical_axis_rules,
@@ -50,6 +50,20 @@ class LogicalNamesWarning(UserWarning):
   """``init_sharded`` found a logical axis name of the model that no rule
   maps (so that dimension is replicated), or a rule whose name the model
   never uses: most often a typo."""
+
+
+# Prepared inits kept per ``init_sharded`` function (each entry holds a
+# ``jax.jit`` and, once called, its compiled program).
+PREPARED_LIMIT = 8
+PREPARED_POLICY = caching.Policy(
+    holds='the shardings and the `jax.jit` of one `init_sharded(...)` '
+          'function, per call signature',
+    keyed_on='structure and plain values of the arguments, shapes and '
+             'dtypes of their arrays, rules, active interceptors',
+    bound=f'{PREPARED_LIMIT} entries per `init_sharded` function',
+    cleared='on eviction; with the function')
+caching.register('sharded_init.init_sharded.prepared', PREPARED_POLICY,
+                 clear=caching.clear_bounded_caches)
 
 
 def init_sharded(module: Any, mesh: jax.sharding.Mesh,
@@ -68,6 +82,10 @@ def init_sharded(module: Any, mesh: jax.sharding.Mesh,
   ``fallback=RulesFallback.RAISE_ERROR``. A spec naming a mesh axis the mesh
   lacks, or sharding a dimension its mesh axes do not divide, raises a
   ``ShardingError`` naming the variable's module path.
+
+  A call traces the model (and compiles it) once per call signature: later
+  calls with arguments of the same shapes, dtypes and plain values, under
+  the same rules, reuse the shardings and the compiled init.
 
   The first call checks the model's logical names against the rules and
   warns once (``LogicalNamesWarning``) when a model name matches no rule or
@@ -107,9 +125,16 @@ def init_sharded(module: Any, mesh: jax.sharding.Mesh,
         'computed at full size before being sharded. Enable it with '
         'jax.config.update("jax_threefry_partitionable", True).')
 
+  prepared = caching.BoundedCache(
+      PREPARED_LIMIT, name='sharded_init.init_sharded.prepared',
+      policy=PREPARED_POLICY)
+
   def prepare(rngs, args, kwargs):
     active = get_logical_axis_rules() if rules is None else rules
-    dynamic, rebuild = split_arrays((rngs, args, kwargs))
+    dynamic, signature, rebuild = _split_call((rngs, args, kwargs), active)
+    hit = None if signature is None else prepared.get(signature)
+    if hit is not None:
+      return hit[0], dynamic, hit[1], active
 
     def call(dynamic):
       rngs, args, kwargs = rebuild(dynamic)
@@ -128,6 +153,8 @@ def init_sharded(module: Any, mesh: jax.sharding.Mesh,
       checked = True
       _warn_unmatched(boxed, active, tuple(seen), stacklevel=4)
     jitted = jax.jit(run, out_shardings=shardings)
+    if signature is not None:
+      prepared[signature] = jitted, shardings
     return jitted, dynamic, shardings, active
 
   @api_boundary
@@ -146,6 +173,45 @@ def init_sharded(module: Any, mesh: jax.sharding.Mesh,
 
   init_fn.lower = lower
   return init_fn
+
+
+_ARRAY = object()  # where an array leaf sits among the static leaves
+
+
+def _split_call(tree, rules):
+  """The array leaves of a call's arguments, the call's signature, and a
+  function putting new array leaves back into the arguments.
+
+  The signature is what a prepared init depends on besides the module: the
+  tree structure, each plain leaf with its type (so ``1`` and ``True``
+  differ), each array's shape, dtype and weak type, the rules and the
+  active interceptors. It is None, and the call is prepared afresh, when
+  some part cannot be hashed or when something in this thread watches the
+  trace (a recording block, a capture, a running module): a reused trace
+  would show it nothing. ``rebuild`` keeps the plain leaves only, never
+  the arrays, so a kept entry holds no argument's buffers.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  arrays = [x for x in leaves if is_array(x)]
+  static = [_ARRAY if is_array(x) else x for x in leaves]
+
+  def rebuild(new_arrays):
+    new = iter(new_arrays)
+    return treedef.unflatten([next(new) if x is _ARRAY else x
+                              for x in static])
+
+  if (calls.records or calls.capture_stack
+      or calls.module_stack[-1] is not None):
+    return arrays, None, rebuild
+  parts = tuple((x.shape, x.dtype, bool(getattr(x, 'weak_type', False)))
+                if is_array(x) else (type(x), x) for x in leaves)
+  try:
+    signature = (treedef, parts, tuple(tuple(r) for r in rules),
+                 active_interceptors())
+    hash(signature)
+  except TypeError:
+    signature = None
+  return arrays, signature, rebuild
 
 
 def mesh_shardings(boxed: Any, mesh: jax.sharding.Mesh,
@@ -238,13 +304,20 @@ def logical_name_mismatches(boxed: Any,
   ...                         (('embed', 'fsdp'), ('mpl', 'tensor')))
   (('mlp',), ('mpl',))
   """
+  boxes = _logical_boxes(boxed)
+  return _mismatches(boxes, _box_names(boxes), rules)
+
+
+def _mismatches(boxes, names, rules):
+  """``logical_name_mismatches`` of the LogicallyPartitioned ``boxes``,
+  whose names (``_box_names``) are ``names``."""
   rule_names = tuple(dict.fromkeys(rule[0] for rule in rules))
   model_only = {}
-  for box in _logical_boxes(boxed):
+  for box in boxes:
     known = (rule_names if box.rules is None
              else {rule[0] for rule in box.rules})
     model_only.update((n, None) for n in _names(box) if n not in known)
-  used = set(model_names(boxed))
+  used = set(names)
   return tuple(model_only), tuple(n for n in rule_names if n not in used)
 
 
@@ -257,8 +330,12 @@ def model_names(boxed: Any) -> tuple:
   Returns:
     The names.
   """
+  return _box_names(_logical_boxes(boxed))
+
+
+def _box_names(boxes):
   names = {}
-  for box in _logical_boxes(boxed):
+  for box in boxes:
     names.update((n, None) for n in _names(box))
   return tuple(names)
 
@@ -273,8 +350,10 @@ def _names(box):
 
 
 def _warn_unmatched(boxed, rules, constrained, stacklevel):
-  model_only, rules_only = logical_name_mismatches(boxed, rules)
-  used = model_names(boxed) + constrained
+  boxes = _logical_boxes(boxed)  # the one walk of the tree
+  names = _box_names(boxes)
+  model_only, rules_only = _mismatches(boxes, names, rules)
+  used = names + constrained
   rules_only = tuple(n for n in rules_only if n not in constrained)
   if not model_only and not rules_only:
     return
