@@ -371,7 +371,6 @@ class _StackErrors:
         'variables that already exist (create them in init).')
 
   def argument(self, shape, microbatches):
-    del self
     return PipelineError(
         f'pipeline.value_and_grad: every array argument of loss_fn after '
         f'params is split into microbatches=M={microbatches} along its '

@@ -416,7 +416,7 @@ def while_loop(cond_fn: Callable[..., Any], body_fn: Callable[..., Any],
     def cond_wrapper(state):
       i, loop_vars, carry = state
       inner_scope = make_scopes((loop_vars, broadcast_vars), loop_rngs(-i),
-                             mutable_filter=False)
+                                mutable_filter=False)
       try:
         return cond_fn(inner_scope, carry)
       except _NOT_FOUND as err:

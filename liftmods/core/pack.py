@@ -227,7 +227,7 @@ class Packing:
   # Inside the transform.
 
   def make_scopes(self, variable_groups, rng_groups, mutable_filter=True,
-               keep_rng_suffix=True):
+                  keep_rng_suffix=True):
     """Fresh scopes (same tree as the outer ones) over the given groups.
 
     ``mutable_filter`` narrows what the inner scopes may write;

@@ -447,9 +447,10 @@ def _one_f_one_b_stage(layout, training, stage, shape, explain, batches,
   # masks than the forward did.
   traced, out_shape = jax.make_jaxpr(stage_once, return_shape=True)(
       fill, fixed_diff, _at(mutable, 0))
+  s = lax.axis_index(layout.axis)
   loop = _OneFOneB(
-      layout, training, explain, lax.axis_index(layout.axis), fill, shape,
-      batches, outer_diff, rebuild_outer, fixed_diff,
+      layout, training, explain, s, s == 0, s == layout.stages - 1, fill,
+      shape, batches, outer_diff, rebuild_outer, fixed_diff,
       jax.extend.core.jaxpr_as_fun(traced),
       jax.tree_util.tree_structure(out_shape))
   window = loop.window
@@ -489,6 +490,8 @@ class _OneFOneB:
   training: Any
   explain: Any
   s: Any
+  first: Any  # s == 0, computed once outside the loops
+  last: Any   # s == S - 1
   fill: Any
   shape: Any
   batches: Sequence[Any]
@@ -502,10 +505,6 @@ class _OneFOneB:
   def window(self) -> int:
     """The microbatch inputs a stage holds at most."""
     return 2 * self.layout.stages - 1
-
-  @property
-  def last(self):
-    return self.s == self.layout.stages - 1
 
   def call(self, outer_diff, b, given):
     """The loss on microbatch ``b``, the stack answered by ``given``."""
@@ -547,7 +546,7 @@ class _OneFOneB:
     f = t - self.s
     f_ok = (f >= 0) & (f < n_micro)
     f_at = jnp.clip(f, 0, n_micro - 1)
-    x = lax.cond(self.s == 0, lambda: self.embed(self.outer_diff, f_at),
+    x = lax.cond(self.first, lambda: self.embed(self.outer_diff, f_at),
                  lambda: arrived)
     x = _select(f_ok, x, self.fill)
     state = _at(mutable, 0)
@@ -581,11 +580,11 @@ class _OneFOneB:
     _, pull = jax.vjp(lambda x, p: self.forward(x, p, stored)[0],
                       _at(inputs, slot), self.fixed_diff)
     d_x, d_fixed = pull(ct)
-    d_embed = lax.cond(self.s == 0, self.embed_vjp,
+    d_embed = lax.cond(self.first, self.embed_vjp,
                        lambda b, d_x: _zeros(self.outer_diff), b_at, d_x)
     grads = _added(grads, d_fixed, b_ok)
     outer_grads = _added(outer_grads, d_head, b_ok & self.last)
-    outer_grads = _added(outer_grads, d_embed, b_ok & (self.s == 0))
+    outer_grads = _added(outer_grads, d_embed, b_ok & self.first)
     loss = loss + jnp.where(b_ok & self.last, l_b, 0.)
     return d_x, grads, outer_grads, loss
 
