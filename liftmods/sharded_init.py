@@ -132,7 +132,12 @@ def init_sharded(module: Any, mesh: jax.sharding.Mesh,
   def prepare(rngs, args, kwargs):
     active = get_logical_axis_rules() if rules is None else rules
     dynamic, signature, rebuild = _split_call((rngs, args, kwargs), active)
-    hit = None if signature is None else prepared.get(signature)
+    hit = None
+    if signature is not None:
+      try:
+        hit = prepared.get(signature)
+      except TypeError:  # an unhashable plain argument
+        signature = None
     if hit is not None:
       return hit[0], dynamic, hit[1], active
 
@@ -186,14 +191,23 @@ def _split_call(tree, rules):
   tree structure, each plain leaf with its type (so ``1`` and ``True``
   differ), each array's shape, dtype and weak type, the rules and the
   active interceptors. It is None, and the call is prepared afresh, when
-  some part cannot be hashed or when something in this thread watches the
-  trace (a recording block, a capture, a running module): a reused trace
-  would show it nothing. ``rebuild`` keeps the plain leaves only, never
-  the arrays, so a kept entry holds no argument's buffers.
+  something in this thread watches the trace (a recording block, a
+  capture, a running module): a reused trace would show it nothing. A
+  signature that cannot be hashed (an unhashable plain argument) is found
+  so by the cache lookup, and that call is prepared afresh too.
+  ``rebuild`` keeps the plain leaves only, never the arrays, so a kept
+  entry holds no argument's buffers.
   """
   leaves, treedef = jax.tree_util.tree_flatten(tree)
-  arrays = [x for x in leaves if is_array(x)]
-  static = [_ARRAY if is_array(x) else x for x in leaves]
+  arrays, static, parts = [], [], []
+  for x in leaves:  # one pass: is_array once per leaf
+    if is_array(x):
+      arrays.append(x)
+      static.append(_ARRAY)
+      parts.append((x.shape, x.dtype, bool(getattr(x, 'weak_type', False))))
+    else:
+      static.append(x)
+      parts.append((type(x), x))
 
   def rebuild(new_arrays):
     new = iter(new_arrays)
@@ -203,14 +217,8 @@ def _split_call(tree, rules):
   if (calls.records or calls.capture_stack
       or calls.module_stack[-1] is not None):
     return arrays, None, rebuild
-  parts = tuple((x.shape, x.dtype, bool(getattr(x, 'weak_type', False)))
-                if is_array(x) else (type(x), x) for x in leaves)
-  try:
-    signature = (treedef, parts, tuple(tuple(r) for r in rules),
-                 active_interceptors())
-    hash(signature)
-  except TypeError:
-    signature = None
+  signature = (treedef, tuple(parts), tuple(tuple(r) for r in rules),
+               active_interceptors())
   return arrays, signature, rebuild
 
 

@@ -119,3 +119,31 @@ def test_the_name_check_walks_the_variables_once(monkeypatch):
     warnings.simplefilter('error', nn.LogicalNamesWarning)
     nn.init_sharded(Counted(), MESH, rules, warn_unmapped=False)(KEY, X)
   assert len(walks) == 1
+
+
+class Options:
+  """A plain argument that cannot be hashed (it defines ``__eq__`` only)."""
+
+  def __init__(self, factor):
+    self.factor = factor
+
+  def __eq__(self, other):
+    return isinstance(other, Options) and other.factor == self.factor
+
+  __hash__ = None
+
+
+class Optioned(Counted):
+
+  @nn.compact
+  def __call__(self, x, options=None):
+    return super().__call__(x, scale=options.factor)
+
+
+def test_an_unhashable_plain_argument_is_prepared_each_call(traces):
+  init = nn.init_sharded(Optioned(), MESH, RULES)
+  variables, _ = init(KEY, X, options=Options(2.0))
+  first = len(traces)
+  again, _ = init(KEY, X, options=Options(2.0))
+  assert len(traces) == 2 * first  # nothing kept: traced afresh
+  np.testing.assert_array_equal(kernel(again), kernel(variables))
