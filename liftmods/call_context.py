@@ -354,13 +354,14 @@ class ModuleCall:
   outputs: Any = None
 
   @classmethod
-  def enter(cls, module, method: str, args: tuple, kwargs: dict):
-    """Notes the call ``module`` is starting as a :data:`MODULE_CALLS`
-    event and returns it; the caller sets ``outputs`` when the call
-    returns."""
+  def enter(cls, into: list, module, method: str, args: tuple,
+            kwargs: dict):
+    """Appends the call ``module`` is starting to ``into`` (the list of the
+    open :data:`MODULE_CALLS` block, which the caller looked up) and
+    returns it; the caller sets ``outputs`` when the call returns."""
     call = cls(module.scope.path, module, method, abstract_arrays(args),
                abstract_arrays(kwargs))
-    note(MODULE_CALLS, call)
+    into.append(call)
     return call
 
 

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from liftmods import call_context, config, errors
-from liftmods.call_context import ModuleCall, run_interceptors
+from liftmods.call_context import MODULE_CALLS, ModuleCall, run_interceptors
 # The call hooks under their flax.linen.module names (and record_calls).
 from liftmods.call_context import (  # pylint: disable=unused-import
     InterceptorContext, active_interceptors, current_module,
@@ -646,9 +646,10 @@ class Module:
     is_setup = fun_name == 'setup'
     context = _calls
     recorded = None
-    if context.records and not is_setup and self.scope is not None and (
-        context.recording is not None):
-      recorded = ModuleCall.enter(self, fun_name, args, kwargs)
+    if context.records and not is_setup and self.scope is not None:
+      into = context.records.get(MODULE_CALLS)
+      if into is not None:
+        recorded = ModuleCall.enter(into, self, fun_name, args, kwargs)
     if is_setup:
       if self.scope is None:
         raise errors.CallSetupUnboundModuleError(type(self).__name__)

@@ -137,6 +137,12 @@ def test_kinds_do_not_see_each_other():
       note(STAGE_AXES, (('s',), 'stage'))  # no STAGE_AXES block is open
   assert names == {'embed': None}
   assert stacks == {} and calls == []
+  # Module calls made while only other kinds' blocks are open go nowhere.
+  with record(CONSTRAINT_NAMES) as names, record(STAGE_AXES) as stacks:
+    _init_shapes()
+    assert open_record(MODULE_CALLS) is None
+  assert list(names) == ['batch', 'embed']
+  assert stacks == {('body',): 'stage'}
 
 
 def test_a_block_ended_by_an_error_is_closed_and_still_passed_out():
