@@ -281,8 +281,9 @@ def with_logical_constraint(
   """
   # Without any recording block open, one dict truthiness test (as a
   # module call makes); else one lookup of the names block, filled directly.
-  if logical_axis_resources is not None and call_context.calls.records:
-    seen = call_context.open_record(call_context.CONSTRAINT_NAMES)
+  records = call_context.calls.records
+  if records and logical_axis_resources is not None:
+    seen = records.get(call_context.CONSTRAINT_NAMES)
     if seen is not None:
       _add_constraint_names(seen, logical_axis_resources)
   if rules is None:
