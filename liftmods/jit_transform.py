@@ -154,14 +154,15 @@ def _leaf_fingerprint(module: Module):
 
 def _scopes_and_key(module: Module, args, kwargs):
   """``get_module_scopes`` and ``ModuleKey`` of a bound module, in one pass
-  when neither its fields nor the arguments can hold a module."""
+  when neither its fields nor the arguments can hold a module. Fields that
+  are all plain values are fingerprinted by that one pass either way."""
   module._try_setup(shallow=True)
   fingerprint = _leaf_fingerprint(module)
   if fingerprint is not None and not needs_walk(args, kwargs):
     key = ModuleKey(module, fingerprint)
     return [module.scope], args, kwargs or {}, key
   scopes, args, kwargs = get_module_scopes(module, args, kwargs)
-  return scopes, args, kwargs, ModuleKey(module)
+  return scopes, args, kwargs, ModuleKey(module, fingerprint)
 
 
 # -- the shortcuts -------------------------------------------------------------

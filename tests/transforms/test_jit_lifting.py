@@ -196,3 +196,32 @@ def test_unbound_jit_makes_the_key_of_other_modules_each_call():
   np.testing.assert_array_equal(again, y)
   HeldOverride(extra=(1, 3)).init_with_output(KEY, X)
   assert len(COUNT) == 2
+
+
+def test_plain_fields_are_fingerprinted_once_beside_a_module_argument(
+    monkeypatch):
+  """A bound call whose arguments hold a module walks them for scopes, but
+  the key of a module whose fields are all plain values still comes from
+  the one-pass fingerprint, not from a second, general one."""
+  general = []
+  real = jit_transform._fingerprint
+  monkeypatch.setattr(jit_transform, '_fingerprint',
+                      lambda v: general.append(type(v)) or real(v))
+
+  class Uses(lnn.Module):
+    scale: float = 2.0
+
+    def __call__(self, dense, x):
+      return dense(x) * self.scale
+
+  class Outer(lnn.Module):
+
+    @lnn.compact
+    def __call__(self, x):
+      return lnn.jit(Uses)()(lnn.Dense(3), x)
+
+  v = Outer().init(KEY, X)
+  y = Outer().apply(v, X)
+  assert not any(issubclass(t, Uses) for t in general)
+  want = X @ v['params']['Dense_0']['kernel'] * 2.0
+  np.testing.assert_allclose(y, want, rtol=1e-6)
