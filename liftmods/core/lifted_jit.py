@@ -120,7 +120,7 @@ def jit(fn: Callable[..., Any], variables: Any = True, rngs: Any = True,
     def traced(variable_groups, rng_groups, *args, **kwargs):
       packing, hash_key = context.stack[-1]
       scope = packing.make_scopes(variable_groups, rng_groups,
-                               keep_rng_suffix=False)
+                                  keep_rng_suffix=False)
       y = fn(scope, hash_key, *args, **kwargs)
       return y, packing.repack_fn(scope)
 
