@@ -97,8 +97,9 @@ def register(name: str, policy: Policy,
 
   A ``BoundedCache`` lists itself instead (its ``name`` and ``policy``
   arguments). A table of ``BoundedCache`` instances made later, on each
-  call of some function (lifted jit's), is listed here at import with
-  ``clear=clear_bounded_caches``, and each instance passes the same policy.
+  call of some function (lifted jit's, ``init_sharded``'s), is listed here
+  at import with ``clear=clear_bounded_caches``, and each instance passes
+  the same policy.
   Registering a name again with the same policy does nothing.
 
   Args:
