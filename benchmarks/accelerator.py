@@ -50,6 +50,11 @@ non-zero value overrides the preset.
   python -m benchmarks.accelerator --phases=stack --stack_search
   python -m benchmarks.accelerator --lm_size=350m --lm_batch=16
   python -m benchmarks.accelerator --preset=tiny --out_dir=/tmp/accel
+  python -m benchmarks.accelerator --require_backend=gpu  # never CPU figures
+
+On a GPU machine whose Python already has a CUDA JAX (and no network), run
+it in that environment: ``make bench-accel VENV= PY=python3
+ACCEL_REQUIRE=gpu`` (docs/benchmarks.md, "On a GPU or TPU").
 """
 import importlib.metadata
 import json
@@ -74,6 +79,7 @@ import liftmods as lnn
 from liftmods.stack import offload_supported
 
 PHASES = ('lm', 'stack', 'jit')
+REQUIRABLE = ('gpu', 'tpu', 'accelerator')  # --require_backend's choices
 # benchmarks.stack's row labels measured here, each with the row it is
 # compared with in the table.
 STACK_ROWS = ('liftmods_none', 'liftmods_full', 'liftmods_nested',
@@ -164,6 +170,10 @@ flags.DEFINE_bool('stack_search', False, 'also find the largest depth that '
                   'runs for policy full and nested (--search_budget_s)')
 flags.DEFINE_float('peak_tflops', 0, 'peak bf16 TFLOP/s for MFU (0: from '
                    'the device kind)')
+flags.DEFINE_enum('require_backend', '', ['', *REQUIRABLE],
+                  'refuse to measure unless JAX\'s default backend is this '
+                  '(accelerator: any but the CPU), so that CPU figures are '
+                  'never reported as GPU or TPU ones')
 flags.DEFINE_string('child', '', 'internal: run this part here')
 flags.DEFINE_string('child_out', '', 'internal: the child\'s JSON file')
 flags.DEFINE_float('child_budget_s', 0, 'internal: the child\'s seconds')
@@ -456,7 +466,7 @@ def jit_child(rec: Record, deadline: float):
   rec.save()
 
 
-CHILDREN = {'lm': lm_child, 'stack': lambda rec, deadline: stack_child(
+CHILDREN = {'device': lambda rec, deadline: None, 'lm': lm_child, 'stack': lambda rec, deadline: stack_child(
     rec, deadline, probe=False), 'stack_probe': lambda rec, deadline:
             stack_child(rec, deadline, probe=True), 'jit': jit_child}
 
@@ -499,6 +509,36 @@ def spawn(part: str, budget_s: float, *extra: str) -> dict:
   if status or 'status' not in rec:
     rec['status'] = status or 'no record'
   return rec
+
+
+def backend_refusal(required: str, device: dict) -> str | None:
+  """Why figures measured on ``device`` (a ``device_info()`` record) must
+  not be reported when ``--require_backend=required`` was asked for, or
+  None when they may."""
+  backend = device.get('backend')
+  if not required or backend == required or (
+      required == 'accelerator' and backend not in (None, 'cpu')):
+    return None
+  return (f'--require_backend={required}, but JAX\'s default backend in '
+          f'this environment is {backend!r} ({device.get("kind")}); no '
+          'figures are measured, so none can pass for accelerator ones. '
+          'On a machine with a CUDA JAX already installed run in that '
+          'environment (make bench-accel VENV= PY=python3); with network, '
+          'pip install -e \'.[cuda13]\' (or .[cuda12], .[tpu]) first. '
+          'docs/benchmarks.md, "On a GPU or TPU".')
+
+
+def check_backend(results: dict):
+  """Records the device a child sees; stops the run (exit status 1) when
+  it is not the backend ``--require_backend`` asked for."""
+  if not F.require_backend:
+    return
+  rec = spawn('device', 120)
+  results['device'] = rec.get('device') or {}
+  results['required_backend'] = F.require_backend
+  refusal = backend_refusal(F.require_backend, results['device'])
+  if refusal:
+    sys.exit(f'benchmarks.accelerator: refusing to run: {refusal}')
 
 
 def note_device(results: dict, rec: dict):
@@ -782,6 +822,7 @@ def main(argv):
   results = {'command': ' '.join(['python -m benchmarks.accelerator',
                                   *sys.argv[1:]]),
              'versions': versions(), 'phases': {}}
+  check_backend(results)
   for phase in F.phases:
     began = time.perf_counter()
     RUNNERS[phase](results)

@@ -52,6 +52,7 @@ _FLAGS = {  # name: (default, does something in liftmods)
     'flax_hijax_variable': (False, False),
     'nnx_graph_mode': (True, False),
     'nnx_graph_updates': (True, False),
+    'nnx_sow_capture_noop': (False, False),  # flax 0.12.11 and newer
 }
 
 

@@ -38,18 +38,11 @@ import jax
 import numpy as np
 from jax import custom_jvp, custom_vjp, lax, random
 from jax import numpy as jnp
-from jax._src import core as _jax_core
-from jax._src import dtypes as _jax_dtypes
 
 from liftmods import initializers
+from liftmods import jax_private
+from liftmods.jax_private import CAN_USE_EARRAY
 from liftmods.module import Module
-
-try:
-  from jax._src import earray as _earray
-  from jax._src.interpreters import pxla as _pxla
-  CAN_USE_EARRAY = True
-except (ModuleNotFoundError, ImportError):  # pragma: no cover
-  CAN_USE_EARRAY = False
 
 DType = Any
 
@@ -62,14 +55,20 @@ _FP8_TYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz,
 # -- the fp8 meta dtype: a float whose gradients accumulate by max --------------
 
 
+def _supports_inf(dtype) -> bool:
+  """Whether ``dtype`` has an infinity (``float8_e4m3fn`` has none: an
+  infinity cast to it becomes NaN)."""
+  return bool(np.isinf(np.asarray(np.inf).astype(dtype)))
+
+
 class Fp8MetaTyRules:
   """Rules of the ``fp8_meta`` extended dtype: stored as its float dtype,
   but *adding* two values (as gradient accumulation does, e.g. across
   microbatches or a scan) takes their maximum."""
 
   @staticmethod
-  def physical_element_aval(dtype) -> _jax_core.ShapedArray:
-    return _jax_core.ShapedArray((), dtype.float_dtype)
+  def physical_element_aval(dtype) -> jax.core.ShapedArray:
+    return jax.core.ShapedArray((), dtype.float_dtype)
 
   @staticmethod
   def convert_from(fp8_meta_dtype, other_dtype) -> bool:
@@ -87,8 +86,8 @@ class Fp8MetaTyRules:
   @staticmethod
   def zero(dt):
     float_dtype = dt.float_dtype
-    lowest = (-np.inf if _jax_dtypes.supports_inf(float_dtype)
-              else _jax_dtypes.finfo(float_dtype).min)
+    lowest = (-np.inf if _supports_inf(float_dtype)
+              else jnp.finfo(float_dtype).min)
     return lax.convert_element_type(np.array(lowest, float_dtype), dt)
 
   @staticmethod
@@ -103,20 +102,15 @@ class Fp8MetaTyRules:
 
   @staticmethod
   def global_sharded_result_handler(aval, out_sharding, committed):
-    if not CAN_USE_EARRAY:
-      raise NotImplementedError('convert back under the jit')
-    physical = _jax_core.physical_aval(aval)
-    make_handler = _pxla.global_result_handlers[_jax_core.ShapedArray]
-    handler = make_handler(physical, out_sharding, committed)
-    return lambda bufs: _earray.EArray(aval, handler(bufs))
+    return jax_private.extended_result_handler(aval, out_sharding, committed)
 
 
-class fp8_meta_dtype(_jax_dtypes.extended):  # pylint: disable=invalid-name
+class fp8_meta_dtype(jax.dtypes.extended):  # pylint: disable=invalid-name
   """Scalar type of the ``fp8_meta`` dtypes."""
 
 
 @dataclasses.dataclass(frozen=True)
-class fp8_meta_dtype_wrapper(_jax_dtypes.ExtendedDType):  # pylint: disable=invalid-name
+class fp8_meta_dtype_wrapper(jax_private.ExtendedDType):  # pylint: disable=invalid-name
   """An ``fp8_meta`` dtype over ``float_dtype`` (see ``Fp8MetaTyRules``).
 
   Attributes:
@@ -128,7 +122,7 @@ class fp8_meta_dtype_wrapper(_jax_dtypes.ExtendedDType):  # pylint: disable=inva
   type: type = fp8_meta_dtype
 
   def __repr__(self) -> str:
-    return f'fp8_meta{_jax_dtypes.finfo(self.float_dtype).bits}'
+    return f'fp8_meta{jnp.finfo(self.float_dtype).bits}'
 
   name = property(__repr__)
 

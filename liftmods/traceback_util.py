@@ -22,12 +22,12 @@ False
 """
 import os
 
-from jax._src import traceback_util as jax_traceback_util
+from liftmods import jax_private
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 # A decorator: the outermost wrapped call on the stack filters the
 # traceback of any exception passing through it.
-api_boundary = jax_traceback_util.api_boundary
+api_boundary = jax_private.api_boundary
 
-jax_traceback_util.register_exclusion(PACKAGE_DIR)
+jax_private.register_exclusion(PACKAGE_DIR)

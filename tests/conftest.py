@@ -30,18 +30,21 @@ for _path in (str(TESTS), str(ROOT)):
 # module per program instead of several compiled in parallel (the two
 # xdist workers already use both cores). Most of the suite's time is XLA
 # compiling small programs; with these the suite takes about a quarter less
-# time (make test 555 -> 427 s on the 2-core machine). Every program of a
-# run is compiled alike, so what a test compares does not change.
-# Subprocesses started by tests inherit them. Set before JAX creates its CPU
-# client (jax reads XLA_FLAGS then); ``LIFTMODS_TEST_XLA_FLAGS=0`` leaves
-# XLA_FLAGS alone (e.g. for a jaxlib that no longer knows one of them: XLA
-# stops on an unknown flag).
-FAST_COMPILE_FLAGS = ('--xla_cpu_use_fusion_emitters=false '
+# time (make test 555 -> 427 s on the 2-core machine, jaxlib 0.10). Every
+# program of a run is compiled alike, so what a test compares does not
+# change. XLA stops the process on a flag it does not know, and jaxlib 0.11
+# dropped the first, so each flag is probed (``xla_flags.usable``, in a
+# child process, once per run: the xdist workers and the subprocesses tests
+# start inherit the result through XLA_FLAGS and LIFTMODS_TEST_XLA_PROBED).
+# ``LIFTMODS_TEST_XLA_FLAGS=0`` leaves XLA_FLAGS alone.
+FAST_COMPILE_FLAGS = ('--xla_cpu_use_fusion_emitters=false',
                       '--xla_cpu_parallel_codegen_split_count=1')
 if (os.environ.get('LIFTMODS_TEST_XLA_FLAGS') != '0'
-    and FAST_COMPILE_FLAGS not in os.environ.get('XLA_FLAGS', '')):
-  os.environ['XLA_FLAGS'] = ' '.join(
-      filter(None, (os.environ.get('XLA_FLAGS'), FAST_COMPILE_FLAGS)))
+    and not os.environ.get('LIFTMODS_TEST_XLA_PROBED')):
+  import xla_flags  # pylint: disable=wrong-import-position
+  os.environ['XLA_FLAGS'] = ' '.join(filter(None, (
+      os.environ.get('XLA_FLAGS'), *xla_flags.usable(FAST_COMPILE_FLAGS))))
+  os.environ['LIFTMODS_TEST_XLA_PROBED'] = '1'
 
 # Importable once tests/ is on sys.path (above); imports no backend.
 import treecheck  # pylint: disable=wrong-import-position

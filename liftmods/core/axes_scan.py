@@ -12,10 +12,8 @@ from typing import Any, Callable
 
 import jax
 from jax import lax
-from jax.extend import linear_util as lu
-from jax.interpreters import partial_eval as pe
 
-from liftmods import errors
+from liftmods import errors, jax_private
 from liftmods.core import meta
 from liftmods.core.pack import (broadcast, check_variable_axes, describe_aval,
                                 split_keys, typeof, var_name)
@@ -132,12 +130,10 @@ def _invariant_outputs(step, broadcast_in, init, xs, out_axes, explain):
     out_trees.append(out_tree)
     return flat_out
 
-  debug = jax.api_util.debug_info('liftmods scan (loop invariants)',
-                                  invariant_part, tuple(flat_avals), {})
-  _, out_pvals, _ = pe.trace_to_jaxpr_nounits(
-      lu.wrap_init(invariant_part, debug_info=debug),
-      [pe.PartialVal.unknown(a) for a in flat_avals])
-  dependent = [i for i, pval in enumerate(out_pvals) if not pval.is_known()]
+  known, _ = jax_private.known_outputs(
+      invariant_part, flat_avals, 'liftmods scan (loop invariants)')
+  dependent = [i for i, value in enumerate(known)
+               if isinstance(value, jax_private.Unknown)]
   out_tree = out_trees[-1]
   if dependent:
     positions = jax.tree_util.tree_unflatten(
@@ -145,8 +141,7 @@ def _invariant_outputs(step, broadcast_in, init, xs, out_axes, explain):
     paths = {i: path for path, i in
              jax.tree_util.tree_flatten_with_path(positions)[0]}
     raise errors.BroadcastVariableError(explain(paths[dependent[0]]))
-  return jax.tree_util.tree_unflatten(
-      out_tree, [pval.get_known() for pval in out_pvals])
+  return jax.tree_util.tree_unflatten(out_tree, known)
 
 
 def _loop(step, broadcast_in, init, xs, out_axes, verify, unchecked, explain,

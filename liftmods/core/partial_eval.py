@@ -16,16 +16,8 @@ raises ``LazyInitError``.
 import functools
 
 import jax
-from jax.extend import linear_util as lu
-from jax.interpreters import partial_eval as pe
 
-from liftmods import errors
-
-
-def _partial_value(x) -> pe.PartialVal:
-  if isinstance(x, jax.ShapeDtypeStruct):
-    return pe.PartialVal.unknown(jax.core.ShapedArray(x.shape, x.dtype))
-  return pe.PartialVal.known(x)
+from liftmods import errors, jax_private
 
 
 def lazy_init(fn):
@@ -35,23 +27,15 @@ def lazy_init(fn):
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
     leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
-    out_trees = []
 
     def flat_fn(*flat):
       a, k = jax.tree_util.tree_unflatten(in_tree, flat)
-      out_flat, out_tree = jax.tree_util.tree_flatten(fn(*a, **k))
-      out_trees.append(out_tree)
-      return out_flat
+      return fn(*a, **k)
 
-    debug = jax.api_util.debug_info('lazy_init', fn, args, kwargs)
-    _, out_pvals, _ = pe.trace_to_jaxpr_nounits(
-        lu.wrap_init(flat_fn, debug_info=debug),
-        [_partial_value(x) for x in leaves])
-    out = []
-    for pval in out_pvals:
-      if not pval.is_known():
-        raise errors.LazyInitError(pval.get_aval())
-      out.append(pval.get_known())
-    return jax.tree_util.tree_unflatten(out_trees[-1], out)
+    known, out_tree = jax_private.known_outputs(flat_fn, leaves, 'lazy_init')
+    for value in known:
+      if isinstance(value, jax_private.Unknown):
+        raise errors.LazyInitError(value.aval)
+    return jax.tree_util.tree_unflatten(out_tree, known)
 
   return wrapper

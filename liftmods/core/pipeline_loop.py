@@ -30,10 +30,11 @@ import functools
 from typing import Any, Callable, Protocol, Sequence
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
+
+from liftmods import jax_private
 
 tree_map = jax.tree_util.tree_map
 leaves_of = jax.tree_util.tree_leaves
@@ -451,7 +452,7 @@ def _one_f_one_b_stage(layout, training, stage, shape, explain, batches,
   loop = _OneFOneB(
       layout, training, explain, s, s == 0, s == layout.stages - 1, fill,
       shape, batches, outer_diff, rebuild_outer, fixed_diff,
-      jax.extend.core.jaxpr_as_fun(traced),
+      jax_private.jaxpr_as_fun(traced),
       jax.tree_util.tree_structure(out_shape))
   window = loop.window
   carry = (_garbage(fill), _garbage(fill), _repeated(fill, window),

@@ -6,7 +6,7 @@ True
 """
 from typing import Any
 
-import jax
+from liftmods import jax_private
 
 __all__ = ['current_trace', 'check_trace_level']
 
@@ -17,11 +17,7 @@ def current_trace() -> Any:
   Returns:
     The token; equal tokens mean the same trace level.
   """
-  from jax.extend import core as jex_core  # pylint: disable=g-import-not-at-top
-  get_state = getattr(jex_core, 'get_opaque_trace_state', None)
-  if get_state is None:  # older jax
-    get_state = jax.core.get_opaque_trace_state
-  return get_state(convention='flax')
+  return jax_private.opaque_trace_state()
 
 
 def check_trace_level(base_level: Any) -> None:

@@ -205,3 +205,30 @@ def test_depth_search_stops_at_an_error():
     assert out[label]['largest_fitting'] == 64
     assert out[label]['smallest_refused'] is None
     assert out[label]['probes'] == {64: 'ok', 128: 'exited with -6'}
+
+
+@pytest.mark.parametrize('required', ['gpu', 'accelerator'])
+def test_refuses_cpu_figures_when_an_accelerator_was_asked_for(
+    tmp_path, required):
+  out = tmp_path / 'out'
+  result = subprocess.run(
+      [sys.executable, '-m', 'benchmarks.accelerator', '--preset=tiny',
+       f'--out_dir={out}', f'--require_backend={required}'], cwd=ROOT,
+      capture_output=True, text=True, timeout=300, check=False)
+  assert result.returncode != 0
+  assert (f"refusing to run: --require_backend={required}, but JAX's default"
+          " backend in this environment is 'cpu'") in result.stderr
+  assert 'make bench-accel VENV= PY=python3' in result.stderr
+  assert not (out / 'accelerator.json').exists()
+
+
+def test_backend_refusal_rules():
+  gpu, cpu, tpu = ({'backend': b, 'kind': k} for b, k in (
+      ('gpu', 'NVIDIA H100'), ('cpu', 'cpu'), ('tpu', 'TPU v5 lite')))
+  refuse = accelerator.backend_refusal
+  assert refuse('', cpu) is None
+  assert refuse('gpu', gpu) is None and refuse('tpu', tpu) is None
+  assert refuse('accelerator', gpu) is None
+  assert refuse('accelerator', tpu) is None
+  assert "backend in this environment is 'cpu'" in refuse('accelerator', cpu)
+  assert "backend in this environment is 'tpu'" in refuse('gpu', tpu)

@@ -21,6 +21,7 @@ import flax.linen
 import pytest
 
 import liftmods
+import treecheck
 from liftmods import errors
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / 'docs'))
@@ -56,6 +57,11 @@ LINEN_RAISES = {
     'ShardingDivisibilityError': 'AttributeError',
     'StackError': 'AttributeError',
 }
+# From flax 0.12.9 Linen's lazy_init fills a ShapeDtypeStruct with zeros
+# and runs init, so the LazyInitError program initialises its variable from
+# zeros instead of raising; liftmods keeps raising (docs/coming-from-linen.md).
+if treecheck.FLAX_VERSION >= (0, 12, 9):
+  LINEN_RAISES['LazyInitError'] = None
 
 
 def _error_classes():
