@@ -27,6 +27,9 @@ from liftmods.activation import (celu, elu, gelu, glu, hard_sigmoid,
 from liftmods.attention_fns import (combine_masks, dot_product_attention,
                                     dot_product_attention_weights,
                                     make_attention_mask, make_causal_mask)
+from liftmods.attention_fns import (FusedAttentionError,
+                                    FusedAttentionWarning,
+                                    fused_dot_product_attention)
 from liftmods.core import DenyList, FrozenDict, freeze, meta, unfreeze
 from liftmods.core.meta import (PARTITION_NAME, AxisMetadata, Partitioned,
                                 get_partition_spec, unbox,
