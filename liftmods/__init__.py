@@ -77,6 +77,7 @@ from liftmods.transforms import (add_metadata_axis, checkpoint, cond,
 from liftmods import state
 from liftmods import partitioning, spmd
 from liftmods.sharded_init import LogicalNamesWarning, init_sharded
+from liftmods.shard_map_transform import shard_map
 from liftmods.spmd import (LogicallyPartitioned, get_logical_axis_rules,
                            logical_axis_rules, logical_to_mesh,
                            logical_to_mesh_axes, logical_to_mesh_sharding,

@@ -505,10 +505,15 @@ class MeshAxisNotFoundError(ShardingError):
   """A partition spec names a mesh axis that the mesh does not have."""
 
   def __init__(self, where, spec, axis, mesh_axes):
+    self.spec, self.axis, self.mesh_axes = spec, axis, tuple(mesh_axes)
     super().__init__(
         f'{where}: partition spec {spec} names mesh axis {axis!r}, but the '
         f'mesh has axes {tuple(mesh_axes)}. Fix the rules or the names, or '
         'build the mesh with that axis.')
+
+  def at(self, where) -> 'MeshAxisNotFoundError':
+    """The same error, said of ``where``."""
+    return type(self)(where, self.spec, self.axis, self.mesh_axes)
 
 
 class ShardingDivisibilityError(ShardingError):
@@ -520,6 +525,20 @@ class ShardingDivisibilityError(ShardingError):
         f'{spec[dim]!r} over {size} devices (spec {spec}), but '
         f'{shape[dim]} is not divisible by {size}. Change the size, or map '
         'that axis to a smaller (or no) mesh axis.')
+
+
+class ShardMapSpecError(ShardingError):
+  """A variable crosses ``nn.shard_map`` with no spec it can be cut by."""
+
+  def __init__(self, where, reason=None):
+    reason = reason or (
+        'it has no partitioning metadata (nn.with_partitioning / '
+        'nn.with_logical_partitioning) and variable_specs gives its '
+        'collection no PartitionSpec')
+    super().__init__(
+        f'{where} cannot cross the shard_map boundary: {reason}. Annotate '
+        'the variable, or pass variable_specs={collection: PartitionSpec(...)} '
+        '(PartitionSpec() replicates it).')
 
 
 class StackError(LiftError):

@@ -194,9 +194,11 @@ def _constrain(x, spec, mesh):
   """``lax.with_sharding_constraint`` when a mesh is known, else ``x``."""
   if mesh is None and not meta.global_mesh_defined():
     return x
-  if mesh is not None and spec is not None:
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-  return jax.lax.with_sharding_constraint(x, spec)
+  if spec is None:  # no names: Linen constrains to the mesh's default
+    if mesh is not None:
+      return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return jax.lax.with_sharding_constraint(x, spec)
+  return meta.constrain(x, spec, mesh)
 
 
 def _constrain_one(names, x, fallback, rules, mesh):

@@ -412,7 +412,7 @@ def lift_class(transform: Callable[..., Any], name: str,
   Args:
     transform: the core transform.
     name: the transform's name; the class is named ``{Name}{ModuleClass}``
-      like Linen's.
+      like Linen's (a name starting with a capital is used as it is).
     module_class: a Module class or a ``functools.partial`` of one.
     *trafo_args: positional arguments of ``transform``.
     methods: None (``__call__``), a list of names, or ``{name: transform
@@ -436,8 +436,8 @@ def lift_class(transform: Callable[..., Any], name: str,
     fn = getattr(module_class, fn_name)
     lifted[fn_name] = functools.wraps(fn)(lift_method(
         transform, fn, fn_name, t_args, t_kwargs, module_class))
-  new_cls = type(name.capitalize() + module_class.__name__, (module_class,),
-                 lifted)
+  prefix = name if name[:1].isupper() else name.capitalize()
+  new_cls = type(prefix + module_class.__name__, (module_class,), lifted)
   if partial is not None:
     return functools.partial(new_cls, *partial.args, **partial.keywords)
   return new_cls

@@ -164,6 +164,68 @@ def global_mesh_defined() -> bool:
   return get_global_mesh() is not None
 
 
+def _spec_names(entry) -> tuple:
+  if entry is None or entry is jax.sharding.PartitionSpec.UNCONSTRAINED:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _keep_axes(spec, keep) -> jax.sharding.PartitionSpec:
+  """``spec`` with every mesh axis for which ``keep(axis)`` is False left
+  out (a dimension left with none becomes None)."""
+  out = []
+  for entry in spec:
+    if entry is jax.sharding.PartitionSpec.UNCONSTRAINED:
+      out.append(entry)
+      continue
+    kept = tuple(a for a in _spec_names(entry) if keep(a))
+    out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+  return jax.sharding.PartitionSpec(*out)
+
+
+def constrain(x, spec, mesh=None):
+  """``x`` laid out as ``spec`` says, on ``mesh`` (None: the mesh context),
+  whatever the mesh's axis types.
+
+  Auto axes get ``lax.with_sharding_constraint`` (a hint to the compiler),
+  Explicit axes ``jax.sharding.reshard`` (the array's type carries its
+  sharding there, and a constraint would only assert it). Axes that are
+  Manual here (inside ``shard_map``) are left out: ``x`` is already one
+  device's block along them; with nothing left to say, ``x`` is returned.
+
+  Args:
+    x: an array.
+    spec: a ``PartitionSpec`` of mesh axis names.
+    mesh: a ``jax.sharding.Mesh``, or None for the context's.
+
+  Returns:
+    ``x``, constrained.
+  """
+  context = get_global_mesh()
+  names = (mesh or context).axis_names
+  for entry in spec:
+    for axis in _spec_names(entry):
+      if axis not in names:
+        raise errors.MeshAxisNotFoundError('sharding constraint', spec, axis,
+                                           names)
+  manual = set(context.manual_axes) if context is not None else set()
+  if manual:
+    spec = _keep_axes(spec, lambda a: a not in manual)
+    if not any(_spec_names(e) for e in spec):
+      return x
+  types = dict(zip(names, (mesh or context).axis_types))
+  explicit = _keep_axes(
+      spec, lambda a: types.get(a) == jax.sharding.AxisType.Explicit)
+  auto = _keep_axes(
+      spec, lambda a: types.get(a) != jax.sharding.AxisType.Explicit)
+  named = lambda s: jax.sharding.NamedSharding(mesh, s) if mesh else s
+  if any(t == jax.sharding.AxisType.Explicit for t in types.values()):
+    x = jax.sharding.reshard(x, named(explicit))
+    if not any(_spec_names(e) for e in auto):
+      return x
+  return jax.lax.with_sharding_constraint(x, named(auto))
+
+
 def _is_static(field: dataclasses.Field) -> bool:
   md = field.metadata
   return bool(md.get('static', False)) or md.get('pytree_node', True) is False
@@ -232,10 +294,7 @@ class Partitioned(AxisMetadata):
 
   def unbox(self, apply_constraint: bool = True):
     if apply_constraint and (self.mesh is not None or global_mesh_defined()):
-      spec = self.get_partition_spec()
-      target = (jax.sharding.NamedSharding(self.mesh, spec)
-                if self.mesh is not None else spec)
-      return jax.lax.with_sharding_constraint(self.value, target)
+      return constrain(self.value, self.get_partition_spec(), self.mesh)
     return self.value
 
   def replace_boxed(self, val):

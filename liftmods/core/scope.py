@@ -401,7 +401,12 @@ class Scope:
       raise errors.ScopeParamNotFoundError(name, self.path_text)
     value = init_fn(self.make_rng('params'), *init_args, **init_kwargs)
     self.put_variable('params', name, value)
-    return meta.unbox(value) if unbox and not _is_array(value) else value
+    if not unbox or _is_array(value):
+      return value
+    try:
+      return meta.unbox(value)
+    except errors.MeshAxisNotFoundError as e:
+      raise e.at(f'param "{name}" of {self.path_text}') from None
 
   def child(self, fn: Callable, name: str | None = None,
             prefix: str | None = None, named_call: bool = True,

@@ -56,6 +56,7 @@ LINEN_RAISES = {
     'MeshAxisNotFoundError': 'AttributeError',
     'ShardingDivisibilityError': 'AttributeError',
     'StackError': 'AttributeError',
+    'ShardMapSpecError': 'AttributeError',
 }
 # From flax 0.12.9 Linen's lazy_init fills a ShapeDtypeStruct with zeros
 # and runs init, so the LazyInitError program initialises its variable from

@@ -1,0 +1,245 @@
+"""``nn.shard_map`` on 8 simulated CPU devices, against a hand-written
+``jax.shard_map`` of the same layer. Not collected by the main run:
+``test_shard_map.py`` runs this file in a fresh process (the device count is
+fixed when JAX starts). By hand: ``python -m pytest
+tests/spmd/shard_map_cases.py``.
+"""
+import os
+
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                           ' --xla_force_host_platform_device_count=8')
+
+import jax  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import liftmods as nn
+from liftmods import errors
+
+if jax.device_count() < 8:
+  pytest.skip('needs 8 devices: JAX was started before XLA_FLAGS was set '
+              '(run this file in its own process)', allow_module_level=True)
+
+KEY = jax.random.key(0)
+X = jnp.asarray(np.random.RandomState(0).normal(size=(8, 6)), jnp.float32)
+RULES = (('embed', None), ('mlp', 'model'))
+AXIS_TYPES = {'auto': (AxisType.Auto,) * 2, 'explicit': (AxisType.Explicit,) * 2}
+
+
+def mesh_of(kind):
+  return jax.make_mesh((4, 2), ('data', 'model'), axis_types=AXIS_TYPES[kind])
+
+
+def logical(init, *names):
+  return nn.with_logical_partitioning(init, names)
+
+
+class Column(nn.Module):
+  """Tensor parallel: this shard's columns of a Dense, then a psum of the
+  row sums over 'model' (written for one shard)."""
+  features: int  # per shard
+  reduce_over: str | None = 'model'
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(self.features,
+                 kernel_init=logical(nn.initializers.lecun_normal(), 'embed',
+                                     'mlp'),
+                 bias_init=logical(nn.initializers.normal(0.1), 'mlp'))(x)
+    h = jnp.tanh(h).sum(-1)
+    return jax.lax.psum(h, self.reduce_over) if self.reduce_over else h
+
+
+def hand_written(params, x, mesh):
+  """The same layer as ``Column`` through ``jax.shard_map`` by hand."""
+  specs = {'Dense_0': {'kernel': P(None, 'model'), 'bias': P('model')}}
+
+  def local(p, x):
+    h = x @ p['Dense_0']['kernel'] + p['Dense_0']['bias']
+    return jax.lax.psum(jnp.tanh(h).sum(-1), 'model')
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(specs, P('data')),
+                       out_specs=P('data'))(params, x)
+
+
+def sharded_column():
+  return nn.shard_map(Column, in_specs=P('data'), out_specs=P('data'),
+                      split_rngs={'params': 'model'})(3)
+
+
+def max_diff(a, b):
+  return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(
+      jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+@pytest.mark.parametrize('kind', ['auto', 'explicit'])
+def test_values_and_gradients_equal_a_hand_written_shard_map(kind):
+  mesh = mesh_of(kind)
+  model = sharded_column()
+  with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+    x = jax.sharding.reshard(X, P('data')) if kind == 'explicit' else X
+    v = jax.jit(model.init)(KEY, x)
+    boxes = v['params']['Dense_0']
+    assert boxes['kernel'].names == ('embed', 'mlp')
+    kernel = nn.unbox(v)['params']['Dense_0']['kernel']
+    assert kernel.shape == (6, 6)  # 2 shards of 3 columns
+    assert kernel.sharding.spec == P(None, 'model')
+    params = nn.unbox(v)['params']
+    y = jax.jit(model.apply)(v, x)
+    y_hand = jax.jit(lambda p, x: hand_written(p, x, mesh))(params, x)
+    np.testing.assert_array_equal(y, y_hand)
+    g = jax.jit(jax.grad(lambda v: (model.apply(v, x) ** 2).sum()))(v)
+    g_hand = jax.jit(jax.grad(
+        lambda p: (hand_written(p, x, mesh) ** 2).sum()))(params)
+    assert max_diff(nn.unbox(g)['params'], g_hand) == 0.0
+
+
+def test_blocks_of_a_sharded_parameter_get_keys_of_their_own():
+  with jax.set_mesh(mesh_of('auto')), nn.logical_axis_rules(RULES):
+    v = jax.jit(sharded_column().init)(KEY, X)
+  kernel = nn.unbox(v)['params']['Dense_0']['kernel']
+  left, right = kernel[:, :3], kernel[:, 3:]
+  assert not np.allclose(left, right)
+  # Block i is what the same layer's init makes with the key folded by i.
+  for i, block in enumerate((left, right)):
+    ref = Column(3, reduce_over=None).init(jax.random.fold_in(KEY, i), X[:2])
+    np.testing.assert_array_equal(
+        block, nn.unbox(ref)['params']['Dense_0']['kernel'])
+
+
+def test_explicit_specs_override_the_metadata():
+  class Plain(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return jax.lax.pmean(nn.Dense(2)(x), 'data')
+
+  seen = []
+
+  def rule(collection, path, value):
+    seen.append((collection, path))
+    return P()
+
+  for specs in ({'params': P()}, {'params': rule}):
+    model = nn.shard_map(Plain, in_specs=P('data'), out_specs=P(),
+                         variable_specs=specs, split_rngs={'params': False})()
+    with jax.set_mesh(mesh_of('auto')):
+      v = jax.jit(model.init)(KEY, X)
+      y = jax.jit(model.apply)(v, X)
+    ref = nn.Dense(2).apply({'params': v['params']['Dense_0']}, X)
+    np.testing.assert_allclose(y, ref.reshape(4, 2, 2).mean(0), rtol=1e-6)
+  assert ('params', ('Dense_0', 'kernel')) in seen
+
+
+def test_mutable_collections_are_written_back():
+  class Counted(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      total = self.variable('stats', 'rows', jnp.zeros, ())
+      total.value += jax.lax.psum(x.shape[0], 'data')
+      return x
+
+  model = nn.shard_map(Counted, in_specs=P('data'), out_specs=P('data'),
+                       variable_specs={'stats': P()})()
+  with jax.set_mesh(mesh_of('auto')):
+    v = jax.jit(model.init)(KEY, X)
+    assert float(v['stats']['rows']) == 8.0
+    _, updated = jax.jit(lambda v: model.apply(v, X, mutable=['stats']))(v)
+  assert float(updated['stats']['rows']) == 16.0
+
+
+@pytest.mark.parametrize('split,spec,distinct', [
+    (True, P(('data', 'model')), 8), ('data', P('data'), 4),
+    (False, P('data'), 1)])
+def test_rngs_split_per_shard_or_shared(split, spec, distinct):
+  class Noise(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return x + jax.random.normal(self.make_rng('noise'), x.shape[1:])
+
+  model = nn.shard_map(Noise, in_specs=spec, out_specs=spec,
+                       split_rngs={'noise': split})()
+  with jax.set_mesh(mesh_of('auto')):
+    y = jax.jit(lambda x: model.apply({}, x, rngs={'noise': KEY}))(
+        jnp.zeros((8, 3)))
+  assert len({np.asarray(row).tobytes() for row in y}) == distinct
+
+
+def test_composes_with_remat_scan_and_init_sharded():
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      y = sharded_column()(x)
+      return x + y[:, None], None
+
+  class Deep(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      stack = nn.scan(nn.remat(Block), variable_axes={'params': 0},
+                      split_rngs={'params': True}, length=2,
+                      metadata_params={nn.PARTITION_NAME: None})
+      return stack(name='layers')(x, None)[0]
+
+  mesh = mesh_of('auto')
+  with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+    v = jax.jit(Deep().init)(KEY, X)
+    kernel = nn.unbox(v)['params']['layers']['ShardMapColumn_0']
+    y = jax.jit(Deep().apply)(v, X)
+    sharded, shardings = nn.init_sharded(Deep(), mesh, RULES)(KEY, X)
+  assert jax.tree_util.tree_all(jax.tree_util.tree_map(
+      lambda a, b: bool((a == b).all()), sharded, nn.unbox(v)))
+  assert (shardings['params']['layers']['ShardMapColumn_0']['Dense_0']
+          ['kernel'].spec == P(None, None, 'model'))
+  assert kernel['Dense_0']['kernel'].shape == (2, 6, 6)
+  # Layer by layer, with the hand-written map.
+  x = X
+  for i in range(2):
+    layer = jax.tree_util.tree_map(lambda a, i=i: a[i],
+                                   nn.unbox(v)['params']['layers'])
+    x = x + hand_written(layer['ShardMapColumn_0'], x, mesh)[:, None]
+  np.testing.assert_allclose(y, x, rtol=1e-6, atol=1e-6)
+
+
+def test_errors_name_the_module_and_the_variable():
+  with jax.set_mesh(mesh_of('auto')), nn.logical_axis_rules(RULES):
+    with pytest.raises(errors.ShardingDivisibilityError) as info:
+      jax.jit(nn.shard_map(Column, in_specs=P('data'), out_specs=P('data'),
+                           split_rngs={'params': 'model'})(3).apply)(
+                               {'params': {'Dense_0': {
+                                   'kernel': nn.LogicallyPartitioned(
+                                       jnp.ones((6, 5)), ('embed', 'mlp')),
+                                   'bias': nn.LogicallyPartitioned(
+                                       jnp.ones((5,)), ('mlp',))}}}, X)
+    assert 'shard_map at /: variable "Dense_0/' in str(info.value)
+    assert 'not divisible by 2' in str(info.value)
+
+  class Bad(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(2, kernel_init=nn.with_partitioning(
+          nn.initializers.ones, (None, 'expert')))(x)
+
+  with jax.set_mesh(mesh_of('auto')):
+    with pytest.raises(errors.MeshAxisNotFoundError) as info:
+      jax.jit(nn.shard_map(Bad, in_specs=P('data'), out_specs=P('data'),
+                           split_rngs={'params': False})().init)(KEY, X)
+    assert str(info.value).startswith(
+        'param "kernel" of /Dense_0: partition spec '
+        "P(None, 'expert') names mesh axis 'expert'")
+
+  class Outer(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      inner = nn.shard_map(nn.Dense, in_specs=P('data'), out_specs=P('data'),
+                           split_rngs={'params': False})
+      return inner(2, name='proj')(x)
+
+  with jax.set_mesh(mesh_of('auto')):
+    with pytest.raises(errors.ShardMapSpecError) as info:
+      jax.jit(Outer().init)(KEY, X)
+  message = str(info.value)
+  assert message.startswith('shard_map at /proj: variable "bias" of '
+                            'collection "params" cannot cross')
+  assert 'variable_specs={collection: PartitionSpec(...)}' in message
