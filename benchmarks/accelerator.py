@@ -28,6 +28,16 @@ stack  ``benchmarks.stack``'s residual blocks under ``nn.Stack`` policies
 jit    ``benchmarks.lifted_transforms``' eager-call figures (``nn.jit`` vs
        ``jax.jit`` vs Linen's ``nn.jit``) on a tiny MLP and a small scan.
 
+One phase runs only when named (``--phases=lm,stack,jit,attention``):
+
+attention  liftmods' LM step (the lm phase's size, batch and bf16 policy)
+       with ``nn.fused_dot_product_attention`` (``is_causal=True``,
+       ``--attention_implementation``: ``auto`` is ``'cudnn'`` on a GPU,
+       ``'xla'`` elsewhere) against the same LM with Linen's attention and
+       ``nn.make_causal_mask``, through ``examples/lm``'s
+       ``Config.causal_attention_fn``: step time (interleaved rounds) and
+       the ratio, compile time, and both first losses.
+
 Each phase runs in a child process of its own, for three reasons: the
 benchmark binaries it reuses define absl flags of the same names (``stack``
 and ``models`` both define ``--repeats``), so they cannot share a process;
@@ -79,6 +89,7 @@ import liftmods as lnn
 from liftmods.stack import offload_supported
 
 PHASES = ('lm', 'stack', 'jit')
+OPTIONAL_PHASES = ('attention',)  # run only when --phases names them
 REQUIRABLE = ('gpu', 'tpu', 'accelerator')  # --require_backend's choices
 # benchmarks.stack's row labels measured here, each with the row it is
 # compared with in the table.
@@ -130,7 +141,8 @@ MIB = 2.0**20
 
 flags.DEFINE_string('out_dir', 'bench-out/accel',
                     'where accelerator.json and accelerator.md are written')
-flags.DEFINE_list('phases', list(PHASES), f'phases to run, from {PHASES}')
+flags.DEFINE_list('phases', list(PHASES), 'phases to run, from '
+                  f'{PHASES + OPTIONAL_PHASES}')
 flags.DEFINE_enum('preset', 'auto', ['auto', *PRESETS],
                   'sizes: device (GPU/TPU), cpu, tiny (smoke test); auto: '
                   'device or cpu by backend')
@@ -156,7 +168,8 @@ for _name, _help in SIZE_FLAGS.items():
     flags.DEFINE_string(_name, '', _help)
   else:
     flags.DEFINE_integer(_name, 0, _help)
-BUDGETS = {'lm': 220, 'stack': 150, 'search': 180, 'jit': 50}
+BUDGETS = {'lm': 220, 'stack': 150, 'search': 180, 'jit': 50,
+           'attention': 200}
 for _name, _seconds in BUDGETS.items():
   flags.DEFINE_float(f'{_name}_budget_s', _seconds,
                      f'seconds for the {_name} phase (its child is stopped '
@@ -174,6 +187,10 @@ flags.DEFINE_enum('require_backend', '', ['', *REQUIRABLE],
                   'refuse to measure unless JAX\'s default backend is this '
                   '(accelerator: any but the CPU), so that CPU figures are '
                   'never reported as GPU or TPU ones')
+flags.DEFINE_enum('attention_implementation', 'auto',
+                  ['auto', 'default', 'xla', 'cudnn'],
+                  'implementation= of the attention phase\'s fused attention '
+                  '(auto: cudnn on a GPU, else xla; default: JAX\'s choice)')
 flags.DEFINE_string('child', '', 'internal: run this part here')
 flags.DEFINE_string('child_out', '', 'internal: the child\'s JSON file')
 flags.DEFINE_float('child_budget_s', 0, 'internal: the child\'s seconds')
@@ -370,6 +387,73 @@ def lm_child(rec: Record, deadline: float):
   rec.save()
 
 
+# --- attention: the LM step with fused attention -----------------------------
+
+
+def attention_implementation() -> str | None:
+  choice = F.attention_implementation
+  if choice == 'auto':
+    return 'cudnn' if jax.default_backend() == 'gpu' else 'xla'
+  return None if choice == 'default' else choice
+
+
+def attention_child(rec: Record, deadline: float):
+  """liftmods' LM train step with Linen's attention and with
+  ``nn.fused_dot_product_attention``, interleaved (same parameters, same
+  batch, bf16 policy)."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  import functools  # pylint: disable=import-outside-toplevel
+  from benchmarks import scaling  # pylint: disable=import-outside-toplevel
+  from examples.lm import model as lm  # pylint: disable=import-outside-toplevel
+  from examples.lm import train as lm_train  # pylint: disable=import-outside-toplevel
+
+  size, batch = lm_size(), setting('lm_batch')
+  implementation = attention_implementation()
+  cfg = lm.Config(*{**scaling.SIZES, **LM_SIZES}[size], mlp_ratio=4,
+                  dropout_rate=0.0)
+  # fallback=False: a call the fused path cannot take fails the phase
+  # rather than timing the default path twice.
+  fused = functools.partial(lnn.fused_dot_product_attention,
+                            implementation=implementation, is_causal=True,
+                            fallback=False)
+  configs = {'default': cfg,
+             'fused': dataclasses.replace(cfg, causal_attention_fn=fused)}
+  rec.update(size=size, batch=batch, seq=cfg.max_len,
+             heads=cfg.num_heads, head_dim=cfg.d_model // cfg.num_heads,
+             implementation=implementation or 'default')
+  print(f'attention: LM {size}, batch {batch} x {cfg.max_len}, fused '
+        f'implementation={implementation}', flush=True)
+  optimizer = lm_train.make_optimizer(lm_train.TrainConfig())
+  tokens = jnp.asarray(np.random.default_rng(0).integers(
+      0, cfg.vocab_size, (batch, cfg.max_len + 1)), jnp.int32)
+  steppers = {}
+  for name, config in configs.items():
+    model = lm.TransformerLM(config)
+    state, _ = lm_train.init_state(model, optimizer, 0, unbox=lnn.unbox)
+    step = lm_train.make_train_step(model, optimizer, 0)
+    start = time.perf_counter()
+    with scaling.precision_scope('liftmods', 'bf16'):
+      lowered = step.lower(state, tokens)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    steppers[name] = Stepper(compiled, state, tokens)
+    loss = float(steppers[name]())
+    rec[name] = {'lower_s': lowered_at - start,
+                 'compile_s': time.perf_counter() - lowered_at,
+                 'first_loss': loss}
+    print(f'  {name}: compiled in {rec[name]["compile_s"]:.1f} s, first '
+          f'loss {loss:.4f}', flush=True)
+    rec.save()
+  timed = alternating(steppers, setting('lm_rounds'), setting('lm_steps'),
+                      0.9 * max(0.0, deadline - time.perf_counter()))
+  for name, t in timed.items():
+    rec[name].update(step_median_s=t['median'], step_best_s=t['best'],
+                     step_rounds_s=t['rounds'],
+                     tokens_per_s=batch * cfg.max_len / t['median'])
+  rec['step_ratio'] = ratio(timed, 'fused', 'default')
+  rec.save()
+
+
 # --- stack: nn.Stack policies vs Linen ----------------------------------------
 
 
@@ -468,7 +552,8 @@ def jit_child(rec: Record, deadline: float):
 
 CHILDREN = {'device': lambda rec, deadline: None, 'lm': lm_child, 'stack': lambda rec, deadline: stack_child(
     rec, deadline, probe=False), 'stack_probe': lambda rec, deadline:
-            stack_child(rec, deadline, probe=True), 'jit': jit_child}
+            stack_child(rec, deadline, probe=True), 'jit': jit_child,
+            'attention': attention_child}
 
 
 def run_child():
@@ -646,7 +731,17 @@ def run_jit(results: dict):
   note_device(results, rec)
 
 
-RUNNERS = {'lm': run_lm, 'stack': run_stack, 'jit': run_jit}
+def run_attention(results: dict):
+  # The size the lm phase fitted on this device, unless one was asked for.
+  fitted = (results.get('lm') or {}).get('size')
+  extra = (f'--lm_size={fitted}',) if fitted and not F.lm_size else ()
+  rec = spawn('attention', F.attention_budget_s, *extra)
+  results['attention'] = rec
+  note_device(results, rec)
+
+
+RUNNERS = {'lm': run_lm, 'stack': run_stack, 'jit': run_jit,
+           'attention': run_attention}
 
 
 def versions() -> dict:
@@ -726,6 +821,22 @@ def lm_rows(lm: dict) -> list:
   return rows
 
 
+def attention_rows(att: dict) -> list:
+  if 'step_ratio' not in att:
+    return [('LM with fused attention', att.get('status', 'not run'), '', '')]
+  fused, default = att['fused'], att['default']
+  step = lambda r: _timed({'median_s': r['step_median_s'],
+                           'best_s': r['step_best_s']})
+  return [
+      (f'LM {att["size"]} (batch {att["batch"]}×{att["seq"]}, bf16) step: '
+       'nn.fused_dot_product_attention(implementation='
+       f'{att["implementation"]}) vs default attention',
+       f'{step(fused)} vs {step(default)}', '—', _x(att['step_ratio'])),
+      ('LM: first-step loss, fused / default attention',
+       f'{fused["first_loss"]:.5f} / {default["first_loss"]:.5f}', '—', ''),
+  ]
+
+
 def _stack_cell(row: dict) -> str:
   if not row.get('fits'):
     return row.get('status', 'not run')
@@ -795,7 +906,7 @@ def markdown(results: dict) -> str:
            '|---|---|---|---|']
   rows = []
   for phase, make in (('lm', lm_rows), ('stack', stack_rows),
-                      ('jit', jit_rows)):
+                      ('jit', jit_rows), ('attention', attention_rows)):
     if phase in results:
       rows += make(results[phase])
   lines += ['| ' + ' | '.join(row) + ' |' for row in rows]
@@ -811,7 +922,7 @@ def main(argv):
   del argv
   if F.child:
     return run_child()
-  unknown = set(F.phases) - set(PHASES)
+  unknown = set(F.phases) - set(PHASES + OPTIONAL_PHASES)
   if unknown:
     raise app.UsageError(f'--phases: unknown {sorted(unknown)}')
   if F.stack_depth % 8:

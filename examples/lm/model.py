@@ -54,6 +54,12 @@ class Config:
   # only; decoding runs the stack unpipelined on the same parameters, which
   # needs repeats=1 or Pipeline.to_stack_layout first).
   pipeline: Any = None
+  # An attention_fn that applies the causal mask itself (liftmods:
+  # functools.partial(nn.fused_dot_product_attention, is_causal=True)).
+  # Full-sequence calls then use it with no mask; decoding, whose single
+  # query is masked by the cache, keeps the layer's default attention. None
+  # (the default) is Linen's attention with nn.make_causal_mask.
+  causal_attention_fn: Any = None
 
 
 class Mlp(nn.Module):
@@ -84,12 +90,16 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x, train: bool):
     cfg = self.config
-    mask = None if self.decode else nn.make_causal_mask(x[..., 0])
+    if self.decode or cfg.causal_attention_fn is None:
+      mask = None if self.decode else nn.make_causal_mask(x[..., 0])
+      fn = {}
+    else:  # the function masks the future itself
+      mask, fn = None, {'attention_fn': cfg.causal_attention_fn}
     h = nn.SelfAttention(
         num_heads=cfg.num_heads, dropout_rate=cfg.dropout_rate,
         deterministic=not train, decode=self.decode, name='attn',
         kernel_init=_named(_KERNEL, 'embed', 'heads', 'kv'),
-        out_kernel_init=_named(_KERNEL, 'heads', 'kv', 'embed'))(
+        out_kernel_init=_named(_KERNEL, 'heads', 'kv', 'embed'), **fn)(
             nn.LayerNorm(name='ln_attn')(x), mask)
     x = x + nn.Dropout(cfg.dropout_rate, deterministic=not train)(h)
     return x + Mlp(cfg, name='mlp')(nn.LayerNorm(name='ln_mlp')(x), train)

@@ -11,6 +11,12 @@ bit, since those run the default path itself. Which path ran is checked by
 counting calls of ``jax.nn.dot_product_attention``.
 """
 import functools
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
 import warnings
 
 import jax
@@ -393,6 +399,41 @@ def test_bad_masks_and_options_raise():
       nn.fused_dot_product_attention(q, k, v, local_window_size=bad)
   error = nn.FusedAttentionError('x')
   assert isinstance(error, ValueError) and 'docs/attention.md' in str(error)
+
+
+# -- the benchmark's attention phase ----------------------------------------------
+
+
+def test_accelerator_attention_phase(tmp_path):
+  """``benchmarks.accelerator --phases=attention`` at the tiny size: the LM
+  step with and without the fused function, both timed, the same first
+  loss to bf16 rounding, its two table rows."""
+  root = pathlib.Path(__file__).resolve().parents[2]
+  out = tmp_path / 'out'
+  env = dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS='1')
+  result = subprocess.run(
+      [sys.executable, '-m', 'benchmarks.accelerator', '--preset=tiny',
+       '--phases=attention', f'--out_dir={out}', '--attention_budget_s=400'],
+      cwd=root, env=env, capture_output=True, text=True, timeout=900,
+      check=False)
+  assert result.returncode == 0, result.stderr[-4000:]
+  results = json.loads((out / 'accelerator.json').read_text())
+  assert list(results['phases']) == ['attention']
+  att = results['attention']
+  assert att['status'] == 'ok', att
+  assert (att['size'], att['implementation']) == ('tiny', 'xla')
+  for name in ('default', 'fused'):
+    for key in ('compile_s', 'step_median_s', 'step_best_s', 'tokens_per_s'):
+      assert att[name][key] > 0, (name, key)
+    assert len(att[name]['step_rounds_s']) >= 2
+  assert math.isclose(att['fused']['first_loss'],
+                      att['default']['first_loss'], rel_tol=1e-3)
+  assert att['step_ratio']['median'] > 0 and att['step_ratio']['best'] > 0
+  rows = [line for line in (out / 'accelerator.md').read_text().splitlines()
+          if line.startswith('| ') and not line.startswith('| figure')]
+  assert len(rows) == 2, rows
+  assert 'nn.fused_dot_product_attention(implementation=xla)' in rows[0]
+  assert 'first-step loss' in rows[1]
 
 
 # -- cuDNN, on a GPU only --------------------------------------------------------
