@@ -161,15 +161,23 @@ def _holders_of_real_linen():
       values = list(vars(module).values())
     except TypeError:
       continue
-    for value in values:
-      owner = (value.__name__ if isinstance(value, types.ModuleType)
-               else getattr(value, '__module__', None))
-      if (isinstance(owner, str) and (owner == _PREFIX
-                                      or owner.startswith(_PREFIX + '.'))
-          and getattr(value, '__liftmods_module__', None) is None):
-        holders.append(name)
-        break
+    if any(_is_real_linen(value) for value in values):
+      holders.append(name)
   return holders
+
+
+def _is_real_linen(value):
+  """Whether ``value`` is the real Linen or one of its objects."""
+  try:
+    owner = (value.__name__ if isinstance(value, types.ModuleType)
+             else getattr(value, '__module__', None))
+    return (isinstance(owner, str) and (owner == _PREFIX
+                                        or owner.startswith(_PREFIX + '.'))
+            and getattr(value, '__liftmods_module__', None) is None)
+  except Exception:  # pylint: disable=broad-except
+    # Some libraries keep stand-ins that raise on every attribute (trimesh,
+    # which brax imports, for an optional dependency that is missing).
+    return False
 
 
 def is_installed() -> bool:
