@@ -87,3 +87,14 @@ from liftmods.pipeline import Pipeline, PipelineError
 from liftmods.stack import (Stack, StackOffloadWarning, StackPolicy,
                             stack_layers, unstack_layers)
 from jax.ad_checkpoint import checkpoint_name
+
+# Names Linen's submodules hold for modules that sit above them in liftmods'
+# layer map (docs/architecture.md), bound here: flax.linen.module.nn and
+# flax.linen.partitioning.nn are the package itself, and
+# flax.linen.module.serialization and flax.linen.transforms.serialization
+# are flax.serialization, whose counterpart is liftmods.serialization.
+import liftmods as _package  # pylint: disable=g-import-not-at-top,wrong-import-position,import-self
+from liftmods import serialization as _serialization  # pylint: disable=g-import-not-at-top,wrong-import-position
+module.nn = partitioning.nn = _package
+module.serialization = transforms.serialization = _serialization
+del _package, _serialization

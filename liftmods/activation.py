@@ -47,3 +47,13 @@ from liftmods.layers.activation_modules import PReLU as PReLU  # pylint: disable
 # Type aliases Linen code imports from this module (flax.linen.activation).
 from liftmods.typing import (  # pylint: disable=unused-import
     Array, Dtype)
+
+# The other names of flax.linen.activation, which imports them for PReLU;
+# code written for Linen reaches them there (brax builds its table of
+# activations from nn.activation, ``compact`` included).
+from typing import Any, Optional  # pylint: disable=g-import-not-at-top,wrong-import-position,unused-import,g-bad-import-order
+
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
+
+from liftmods.layers.linear import Dense  # pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
+from liftmods.module import Module, compact  # pylint: disable=g-import-not-at-top,wrong-import-position,unused-import

@@ -79,6 +79,18 @@ def _missing_message(what):
           f'switch to use the real flax.linen).')
 
 
+def _why_missing(real, name):
+  """The reason ``real`` gives for not having ``name`` (a Linen name that
+  means nothing in liftmods), as text to append to a message, or ''."""
+  try:
+    getattr(real, name)
+  except AttributeError as e:
+    why = str(e)
+    if why != f'module {real.__name__!r} has no attribute {name!r}':
+      return f' {why}'
+  return ''
+
+
 def _target_name(fullname):
   """``flax.linen.attention`` -> ``liftmods.attention``."""
   return 'liftmods' + fullname[len(_PREFIX):]
@@ -103,7 +115,8 @@ def _make_alias(fullname, real):
       return getattr(real, name)
     except AttributeError:
       raise AttributeError(
-          _missing_message(f"'{fullname}.{name}'")) from None
+          _missing_message(f"'{fullname}.{name}'") +
+          _why_missing(real, name)) from None
 
   alias.__getattr__ = __getattr__
   alias.__dir__ = lambda: sorted(set(dir(real)))
@@ -143,7 +156,9 @@ class _Finder(importlib.abc.MetaPathFinder):
             f"'{fullname}' (liftmods has the attribute {parent}.{leaf} but "
             f"it is not a module)"), name=fullname) from None
       kind = 'the name or submodule' if parent else 'the module'
-      raise ImportError(_missing_message(f"{kind} '{fullname}'"),
+      why = (_why_missing(parent_real, leaf) if parent_real is not None
+             else '')
+      raise ImportError(_missing_message(f"{kind} '{fullname}'") + why,
                         name=fullname) from None
     return importlib.util.spec_from_loader(fullname, _Loader(real),
                                            is_package=True)

@@ -12,12 +12,13 @@ dtype('float32')
 >>> [x.dtype for x in promote_dtype(jnp.ones(1, jnp.bfloat16), 1.0)]
 [dtype(bfloat16), dtype(bfloat16)]
 """
-from typing import Any, Union
+from typing import Any, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
 
 Dtype = Union[jax.typing.DTypeLike, Any]
+T = TypeVar('T', bound=tuple)  # flax.linen.dtypes.T
 
 
 _INEXACT: dict = {}

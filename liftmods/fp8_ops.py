@@ -835,3 +835,32 @@ class Fp8Einsum(Fp8DotGeneralBase):
 
 
 Fp8DotGeneral = Fp8DirectDotGeneralOp
+
+
+# -- the other names of flax.linen.fp8_ops -------------------------------------
+# Code written for Linen reaches these as attributes of flax.linen.fp8_ops.
+# pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
+from jax.typing import DTypeLike
+
+from liftmods import module
+# pylint: enable=g-import-not-at-top,wrong-import-position,unused-import
+
+_JAX_PRIVATE = ("a private JAX module, which Linen's fp8_ops imports for "
+                'itself; liftmods reaches past JAX\'s public API only through '
+                'liftmods.jax_private')
+
+# Names of flax.linen.fp8_ops that mean nothing in liftmods, and why.
+_LINEN_ONLY = {
+    'core': f'jax._src.core, {_JAX_PRIVATE}',
+    'dtypes': f'jax._src.dtypes, {_JAX_PRIVATE}',
+    'earray': f'jax._src.earray, {_JAX_PRIVATE}',
+    'pxla': f'jax._src.interpreters.pxla, {_JAX_PRIVATE}',
+}
+
+
+def __getattr__(name):
+  reason = _LINEN_ONLY.get(name)
+  if reason is None:
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+  raise AttributeError(f'flax.linen.fp8_ops.{name} is not provided by '
+                       f'{__name__}: {reason}')

@@ -58,3 +58,37 @@ def dataclass(cls=None, extra_fields=None, **kwargs):
     return dataclasses.dataclass(cls, **kwargs)
 
   return wrap if cls is None else wrap(cls)
+
+
+# -- the other names of flax.linen.kw_only_dataclasses -------------------------
+# Code written for Linen reaches these as attributes of
+# flax.linen.kw_only_dataclasses.
+# pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
+import functools
+import inspect
+import sys
+from types import MappingProxyType
+from typing import Any, TypeVar
+# pylint: enable=g-import-not-at-top,wrong-import-position,unused-import
+
+M = TypeVar('M', bound='liftmods.module.Module')
+FieldName = str
+Annotation = Any
+Default = Any
+
+# Names of flax.linen.kw_only_dataclasses that mean nothing in liftmods, and
+# why.
+_LINEN_ONLY = {
+    'flax': 'the flax package itself; liftmods never imports flax',
+    'tpe': 'the typing_extensions module, a dependency of flax that '
+           'liftmods does not have (it needs only jax, jaxlib, numpy and '
+           'msgpack)',
+}
+
+
+def __getattr__(name):
+  reason = _LINEN_ONLY.get(name)
+  if reason is None:
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+  raise AttributeError(f'flax.linen.kw_only_dataclasses.{name} is not '
+                       f'provided by {__name__}: {reason}')

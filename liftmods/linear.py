@@ -17,3 +17,19 @@ from liftmods.module import Module, compact
 from liftmods.typing import (  # pylint: disable=unused-import
     Array, ConvGeneralDilatedT, DotGeneralT, Dtype, Initializer,
     LaxPadding, PRNGKey, PaddingLike, PrecisionLike, Shape)
+
+# The other names of flax.linen.linear: the library and typing names it
+# imports and its own modules, as code written for Linen reaches them
+# (``from flax.linen.linear import initializers``).
+from collections.abc import Iterable, Sequence  # pylint: disable=g-bad-import-order
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import opt_einsum  # a dependency of jax
+from jax import eval_shape, lax
+from jax.core import ShapedArray
+
+from liftmods import initializers, module
+from liftmods.core import meta

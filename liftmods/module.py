@@ -20,13 +20,14 @@ inline in a ``@compact`` method (auto-named ``ClassName_N``) or assigned in
 {'params': {'b': (4,), 'w': (3, 4)}}
 """
 import dataclasses
+import enum
 import functools
 import inspect
 import itertools
 import types
 import weakref
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -85,7 +86,18 @@ def _get_unspecified_parent():
 _unspecified_parent = _Unspecified()
 _ids = itertools.count()
 
-NEW, TRANSFORMED, DONE = 0, 1, 2  # setup states
+
+class SetupState(enum.IntEnum):
+  """How far ``setup`` has run for a module, with Linen's names and values:
+  ``NEW``, not yet; ``TRANSFORMED``, on the module outside a transform (a
+  clone made across the boundary starts from there); ``DONE``, on this
+  module."""
+  NEW = 0
+  TRANSFORMED = 1
+  DONE = 2
+
+
+NEW, TRANSFORMED, DONE = SetupState
 
 
 class _State:
@@ -350,11 +362,25 @@ _COPY_PICKLE = frozenset(('__getstate__', '__setstate__', '__getnewargs_ex__',
                           '__deepcopy__'))
 
 
-def _tuple_reduce(xs, x):
+def tuple_reduce(xs: tuple, x: Any) -> tuple:
+  """The default ``reduce_fn`` of ``Module.sow``: appends ``x``.
+
+  Args:
+    xs: the values sown so far.
+    x: the new value.
+
+  Returns:
+    ``xs + (x,)``.
+  """
   return xs + (x,)
 
 
-def _tuple_init():
+def tuple_init() -> tuple:
+  """The default ``init_fn`` of ``Module.sow``: an empty tuple.
+
+  Returns:
+    ``()``.
+  """
   return ()
 
 
@@ -907,8 +933,8 @@ class Module:
     return self._require_scope("Can't access module paths on unbound modules.").path
 
   def sow(self, col: str, name: str, value: Any,
-          reduce_fn: Callable[[Any, Any], Any] = _tuple_reduce,
-          init_fn: Callable[[], Any] = _tuple_init) -> bool:
+          reduce_fn: Callable[[Any, Any], Any] = tuple_reduce,
+          init_fn: Callable[[], Any] = tuple_init) -> bool:
     """Stores an intermediate value in collection ``col``.
 
     A no-op when ``col`` is not mutable.
@@ -1527,3 +1553,117 @@ def _is_within(scope: Scope, ancestor: Scope) -> bool:
     scope = scope.parent
   return False
 
+
+# -- the other names of flax.linen.module --------------------------------------
+# Code written for Linen reaches these as attributes of flax.linen.module
+# (``nn.module.SetupState``, ``from flax.linen.module import Interceptor``):
+# the library and typing names are the objects Linen imports, Linen's own
+# names are bound to liftmods' counterparts. ``nn`` and ``serialization`` sit
+# above this module in the layer map; liftmods/__init__.py binds them.
+# pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
+import contextlib
+import contextvars
+import sys
+import threading
+import typing
+from collections.abc import Iterable, Iterator
+from types import MappingProxyType
+from typing import Literal, Optional, TypeVar, Union, overload
+
+from liftmods import core, kw_only_dataclasses, traceback_util, traverse_util
+from liftmods.core import meta
+from liftmods.core.scope import Variable, union_filters
+from liftmods.descriptors import DescriptorProxy as DescriptorWrapper
+from liftmods.descriptors import wrap_descriptor as wrap_descriptor_once
+# pylint: enable=g-import-not-at-top,wrong-import-position,unused-import
+
+# A descriptor proxy is never wrapped again, so making one and making one
+# once are the same call here.
+create_descriptor_wrapper = wrap_descriptor_once
+
+T = TypeVar('T')
+M = TypeVar('M', bound='Module')
+
+# What an interceptor passed to ``intercept_methods`` is called with.
+Args = tuple[Any]
+Kwargs = dict[str, Any]
+NextGetter = Callable[..., Any]
+Interceptor = Callable[[NextGetter, Args, Kwargs, InterceptorContext], Any]
+
+# liftmods' Module has no separate base class for static analysers; the
+# name is Module itself, so isinstance/issubclass tests and annotations
+# against it answer as they do with Linen.
+ModuleBase = Module
+
+
+class Descriptor(typing.Protocol):
+  """What a descriptor in a Module class provides (for type annotations;
+  ``wrap_descriptor_once`` puts such descriptors behind a proxy)."""
+
+  def __get__(self, obj, objtype=None) -> Any:
+    ...
+
+  def __set__(self, obj, value) -> None:
+    ...
+
+  def __delete__(self, obj) -> None:
+    ...
+
+  def __set_name__(self, owner, name) -> None:
+    ...
+
+
+class TestScope(Scope):
+  """A Scope whose every rng stream gives ``jax.random.key(0)``: binding a
+  module to it runs code that draws keys without supplying any.
+
+  >>> import liftmods as nn
+  >>> with TestScope({}, rngs={}, mutable=True).temporary() as root:
+  ...   print(nn.Dense(2, parent=root).make_rng('dropout').shape)
+  ()
+  """
+  __test__ = False  # not a pytest test class
+
+  def make_rng(self, name: str = 'params') -> jax.Array:
+    """``jax.random.key(0)``, whatever the stream.
+
+    Args:
+      name: the rng stream (ignored).
+
+    Returns:
+      The key.
+    """
+    del name
+    return jax.random.key(0)
+
+
+# Names of flax.linen.module that mean nothing in liftmods, and why.
+_LINEN_ONLY = {
+    'flax': 'the flax package itself; liftmods never imports flax',
+    'tpe': 'the typing_extensions module, a dependency of flax that '
+           'liftmods does not have (it needs only jax, jaxlib, numpy and '
+           'msgpack)',
+    'FlaxId': "flax.ids.FlaxId, the class of Linen's module ids; liftmods "
+              'numbers its modules with plain integers and has no id class',
+    'uuid': "flax.ids.uuid, the object that hands out Linen's module ids "
+            '(not the uuid module); liftmods numbers its modules with a '
+            'private counter',
+    'ParentDescriptor': "the descriptor that keeps a Linen module's parent "
+                        'behind a weak reference; in liftmods parent is a '
+                        'plain field, and init/apply release the scopes '
+                        'they used when they return',
+    'ThreadLocalStack': "the container of Linen's per-thread stacks; "
+                        "liftmods keeps its per-thread state in "
+                        'call_context.ThreadCalls (module._context)',
+    'module_field': "a typing-only field specifier of ModuleBase's "
+                    "dataclass_transform that is never called; liftmods' "
+                    'Module declares no dataclass_transform',
+}
+
+
+def __getattr__(name):
+  reason = _LINEN_ONLY.get(name)
+  if reason is None:
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+  raise AttributeError(f'flax.linen.module.{name} is not provided by '
+                       f'{__name__}: {reason}')

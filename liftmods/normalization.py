@@ -17,3 +17,19 @@ from liftmods.transforms import map_variables
 # Type aliases Linen code imports from this module (flax.linen.normalization).
 from liftmods.typing import (  # pylint: disable=unused-import
     Array, Axes, Dtype, Initializer, PRNGKey, Shape)
+
+# The other names of flax.linen.normalization: the library and typing names
+# it imports and its own modules, as code written for Linen reaches them.
+# Its ``initializers`` is jax.nn.initializers itself.
+import dataclasses  # pylint: disable=g-bad-import-order
+import functools
+from collections.abc import Iterable
+from dataclasses import field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.nn import initializers
+
+from liftmods import dtypes, module, transforms

@@ -418,3 +418,29 @@ def remat(target: Any, variables: CollectionFilter = True,
       lift.checkpoint, 'core_remat_static', target, variables=variables,
       rngs=rngs, concrete=False, prevent_cse=prevent_cse,
       static_argnums=tuple(static_argnums), policy=policy, methods=methods)
+
+
+# -- the other names of flax.linen.partitioning --------------------------------
+# Code written for Linen reaches these as attributes of
+# flax.linen.partitioning. ``nn`` (the package) sits above this module in the
+# layer map; liftmods/__init__.py binds it.
+# pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
+import functools
+from typing import Optional, Tuple
+# pylint: enable=g-import-not-at-top,wrong-import-position,unused-import
+
+# Names of flax.linen.partitioning that mean nothing in liftmods, and why.
+_LINEN_ONLY = {
+    'flax': 'the flax package itself; liftmods never imports flax',
+    'struct': "the flax.struct module, flax's own rather than Linen's; "
+              'liftmods has no counterpart, and under liftmods.compat '
+              "flax.struct stays flax's",
+}
+
+
+def __getattr__(name):
+  reason = _LINEN_ONLY.get(name)
+  if reason is None:
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+  raise AttributeError(f'flax.linen.partitioning.{name} is not provided by '
+                       f'{__name__}: {reason}')

@@ -21,3 +21,38 @@ from liftmods.module import Module, compact, nowrap
 from liftmods.typing import (  # pylint: disable=unused-import
     A, Array, CollectionFilter, Dtype, InOutScanAxis, Initializer,
     PRNGKey, PRNGSequenceFilter, PrecisionLike)
+
+# The other names of flax.linen.recurrent: the library and typing names it
+# imports, and its own aliases, as code written for Linen reaches them.
+from collections.abc import Callable, Mapping, Sequence  # pylint: disable=g-bad-import-order
+from functools import partial
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import random
+
+from liftmods import initializers, transforms
+
+# Linen's names for what a cell carries, keeps per step and returns.
+Carry = Any
+CarryHistory = Any
+Output = Any
+
+# Names of flax.linen.recurrent that mean nothing in liftmods, and why.
+_LINEN_ONLY = {
+    'logging': 'absl.logging, a dependency of flax that liftmods does not '
+               'have (it needs only jax, jaxlib, numpy and msgpack)',
+    'Protocol': 'typing_extensions.Protocol, from a dependency of flax that '
+                'liftmods does not have; typing.Protocol is the standard '
+                'library\'s',
+}
+
+
+def __getattr__(name):
+  reason = _LINEN_ONLY.get(name)
+  if reason is None:
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+  raise AttributeError(f'flax.linen.recurrent.{name} is not provided by '
+                       f'{__name__}: {reason}')

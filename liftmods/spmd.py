@@ -366,3 +366,27 @@ def with_logical_partitioning(fn: Callable[..., Any],
                                 rules=rules)
 
   return wrapper
+
+
+# -- the other names of flax.linen.spmd ----------------------------------------
+# Code written for Linen reaches these as attributes of flax.linen.spmd.
+# pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
+import collections
+
+from jax import lax
+# pylint: enable=g-import-not-at-top,wrong-import-position,unused-import
+
+# Names of flax.linen.spmd that mean nothing in liftmods, and why.
+_LINEN_ONLY = {
+    'struct': "the flax.struct module, flax's own rather than Linen's; "
+              'liftmods has no counterpart, and under liftmods.compat '
+              "flax.struct stays flax's",
+}
+
+
+def __getattr__(name):
+  reason = _LINEN_ONLY.get(name)
+  if reason is None:
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+  raise AttributeError(f'flax.linen.spmd.{name} is not provided by '
+                       f'{__name__}: {reason}')

@@ -11,3 +11,9 @@ from liftmods.module import Module, compact, merge_param
 # Type aliases Linen code imports from this module (flax.linen.stochastic).
 from liftmods.typing import (  # pylint: disable=unused-import
     PRNGKey)
+
+# The other names of flax.linen.stochastic (the modules it imports).
+from collections.abc import Sequence  # pylint: disable=g-bad-import-order
+
+import jax.numpy as jnp
+from jax import lax, random

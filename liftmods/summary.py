@@ -43,9 +43,9 @@ and the table ends with per-collection totals.
 import dataclasses
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, Callable
+from typing import Any
 
 import jax
 
@@ -424,3 +424,45 @@ def _box(header, body, footer, n_labels, justify, show_lines) -> list:
 from liftmods.typing import (  # pylint: disable=unused-import
     Array, CollectionFilter, FrozenVariableDict, LogicalNames,
     MutableVariableDict, PRNGKey, RNGSequences)
+
+# -- the other names of flax.linen.summary -------------------------------------
+# Code written for Linen reaches these as attributes of flax.linen.summary:
+# the library and typing names are the objects Linen imports.
+# pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
+import enum
+import io
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from liftmods import module as module_lib
+# pylint: enable=g-import-not-at-top,wrong-import-position,unused-import
+
+_NOT_A_DEPENDENCY = ('a dependency of flax that liftmods does not have (it '
+                     'needs only jax, jaxlib, numpy and msgpack) and does not '
+                     'use: liftmods draws its table itself')
+
+# Names of flax.linen.summary that mean nothing in liftmods, and why.
+_LINEN_ONLY = {
+    'Row': "the record of one row of Linen's table, filled from its own "
+           "call capture; liftmods' table is built from ModuleCall records "
+           '(record_calls, module_calls) and has no Row',
+    'Table': "the list of Rows Linen's table is rendered from; liftmods' "
+             'table is built from ModuleCall records (record_calls, '
+             'module_calls) and has no Table',
+    'LazyRng': "flax.core.scope.LazyRng, Linen's lazily folded key; "
+               "liftmods' is liftmods.core.rngs.LazyKey (other fields), and "
+               'a LazyRng passed in as an rng is accepted',
+    'rich': f'the rich module, {_NOT_A_DEPENDENCY}',
+    'yaml': f'the yaml module (PyYAML), {_NOT_A_DEPENDENCY}',
+}
+
+
+def __getattr__(name):
+  reason = _LINEN_ONLY.get(name)
+  if reason is None:
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+  raise AttributeError(f'flax.linen.summary.{name} is not provided by '
+                       f'{__name__}: {reason}')

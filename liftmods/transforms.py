@@ -20,8 +20,8 @@ Applied to a Module class, a transform returns a subclass (named e.g.
 """
 import functools
 import inspect
-from collections.abc import Mapping, Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar, Union
 
 import jax
 
@@ -530,7 +530,8 @@ def lift_direct(transform: Callable[..., Any],
 
 # What a module-level transform takes and returns: a Module class (or a
 # functools.partial of one), or a function of a module.
-Target = type[Module] | functools.partial | Callable[..., Any]
+TransformTarget = Union[type[Module], Callable[..., Any]]
+Target = TypeVar('Target', bound=TransformTarget)
 # Which methods of a Module class to transform (see method_args).
 Methods = Sequence[str] | Mapping[str, Mapping[str, Any]] | None
 
@@ -1047,3 +1048,87 @@ def add_metadata_axis(target: Target,
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from liftmods.jit_transform import fold_rngs, jit
 # pylint: enable=g-import-not-at-top,wrong-import-position
+
+
+# -- the other names of flax.linen.transforms ----------------------------------
+# Code written for Linen reaches these as attributes of flax.linen.transforms:
+# the library and typing names are the objects Linen imports, Linen's own
+# names are bound to liftmods' counterparts. ``serialization`` sits above
+# this module in the layer map; liftmods/__init__.py binds it.
+# pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
+import contextlib
+import dataclasses
+import weakref
+from collections.abc import Iterable
+
+from liftmods import core, traceback_util
+from liftmods import module as linen_module
+from liftmods.module import wrap_method_once
+# pylint: enable=g-import-not-at-top,wrong-import-position,unused-import
+
+# The placeholders get_module_scopes puts where a bound module or a Variable
+# was passed, and set_module_scopes replaces.
+InstancePlaceholder = _ModuleSlot
+VariablePlaceholder = _VariableSlot
+
+ModuleT = TypeVar('ModuleT', bound=Module)
+C = TypeVar('C')
+
+# Linen's names for the lifting helpers above.
+decorator_lift_transform = lift_decorator
+lift_direct_transform = lift_direct
+
+
+def module_class_lift_transform(transform: Callable[..., Any],
+                                module_class: Any, *trafo_args: Any,
+                                methods: Any = None,
+                                **trafo_kwargs: Any) -> Any:
+  """``lift_class`` under Linen's name and arguments: the subclass is named
+  after ``transform`` (``VmapFoo`` for ``lift.vmap`` over ``Foo``).
+
+  Args:
+    transform: the core transform.
+    module_class: a Module class or a ``functools.partial`` of one.
+    *trafo_args: positional arguments of ``transform``.
+    methods: None (``__call__``), a list of names, or ``{name: transform
+      kwargs}``.
+    **trafo_kwargs: keyword arguments of ``transform``.
+
+  Returns:
+    The subclass (or a partial of it).
+  """
+  return lift_class(transform, transform.__name__, module_class, *trafo_args,
+                    methods=methods, **trafo_kwargs)
+
+
+_JIT_ONLY = ("a step of Linen's nn.jit, which caches the transformed function "
+             "per module; liftmods' nn.jit (jit_transform.py) keys its own "
+             'cache and has no such step')
+
+# Names of flax.linen.transforms that mean nothing in liftmods, and why.
+_LINEN_ONLY = {
+    'FlaxId': "flax.ids.FlaxId, the class of Linen's module ids; liftmods "
+              'numbers its modules with plain integers and has no id class',
+    'LazyRng': "flax.core.scope.LazyRng, Linen's lazily folded key; "
+               "liftmods' is liftmods.core.rngs.LazyKey (other fields), and "
+               'a LazyRng passed in as an rng is accepted',
+    'struct': "the flax.struct module, flax's own rather than Linen's; "
+              'liftmods has no counterpart, and under liftmods.compat '
+              'flax.struct stays flax\'s',
+    'clean_clone': 'a helper Linen no longer calls that strips the scopes '
+                   'from a module and its children in place; liftmods keeps '
+                   'children in private state, and Module.unbind() or '
+                   'clone() give an unbound copy',
+    'fork_rngs': _JIT_ONLY,
+    'decorator_lift_transform_cached': _JIT_ONLY,
+    'module_class_lift_transform_cached': _JIT_ONLY,
+    'lift_transform_cached': _JIT_ONLY,
+}
+
+
+def __getattr__(name):
+  reason = _LINEN_ONLY.get(name)
+  if reason is None:
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+  raise AttributeError(f'flax.linen.transforms.{name} is not provided by '
+                       f'{__name__}: {reason}')
