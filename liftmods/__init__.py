@@ -80,7 +80,8 @@ from liftmods.sharded_init import LogicalNamesWarning, init_sharded
 from liftmods.shard_map_transform import shard_map
 from liftmods.spmd import (LogicallyPartitioned, get_logical_axis_rules,
                            logical_axis_rules, logical_to_mesh,
-                           logical_to_mesh_axes, logical_to_mesh_sharding,
+                           logical_out_sharding, logical_to_mesh_axes,
+                           logical_to_mesh_sharding,
                            set_logical_axis_rules, with_logical_constraint,
                            with_logical_partitioning)
 from liftmods.pipeline import Pipeline, PipelineError

@@ -383,6 +383,14 @@ class _StackErrors:
         "stack's variables in the params given to loss_fn; loss_fn must "
         'pass them to model.apply unchanged.')
 
+  def explicit_training(self, axes):
+    return PipelineError(
+        f"Stack at {self.path}: Pipeline(mode='1f1b') does not run on a mesh "
+        f'with Explicit axes yet (here {", ".join(map(repr, axes))}): under '
+        'jax.sharding.auto_axes its compiled loop waits on collectives that '
+        'not every device reaches. Build the mesh with AxisType.Auto axes, '
+        "or use mode='gpipe', which runs on Explicit axes.")
+
   def input_shape(self, got, want):
     return PipelineError(
         f'Stack at {self.path}: on one microbatch, loss_fn gave the stack an '

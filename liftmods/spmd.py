@@ -298,6 +298,46 @@ def with_logical_constraint(
                                 is_leaf=is_logical_names)
 
 
+def logical_out_sharding(logical_names: Sequence[str | None],
+                         rules: LogicalRules | None = None
+                         ) -> PartitionSpec | None:
+  """The ``out_sharding`` for an operation whose output has these logical
+  dimension names, on a mesh with Explicit axes.
+
+  There an array's sharding is part of its type, and JAX asks for the
+  output's sharding where it cannot infer it (a contraction over a sharded
+  dimension, a gather from a sharded table): ``lax.dot_general(...,
+  out_sharding=...)``, ``x.at[i].get(out_sharding=...)``. It accepts only
+  Explicit axes, so this maps the names through the rules and keeps the
+  context mesh's Explicit axes; None (JAX's default) without a mesh or
+  without Explicit axes, so the same model code runs on Auto meshes.
+
+  Args:
+    logical_names: one logical name (or None) per output dimension.
+    rules: the rules (None: the context's).
+
+  Returns:
+    A ``PartitionSpec`` over the Explicit mesh axes, or None.
+
+  >>> logical_out_sharding(('batch', 'embed'), (('batch', 'data'),)) is None
+  True
+  """
+  mesh = meta.get_global_mesh()
+  if mesh is None:
+    return None
+  explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+              if kind == jax.sharding.AxisType.Explicit}
+  if not explicit:
+    return None
+  spec = logical_to_mesh_axes(logical_names, rules)
+  out = []
+  for entry in spec:
+    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    kept = tuple(a for a in axes if a in explicit)
+    out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+  return PartitionSpec(*out)
+
+
 # -- logically partitioned variables -------------------------------------------
 
 

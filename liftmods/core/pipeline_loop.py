@@ -83,6 +83,10 @@ class Explain(Protocol):
     """On one microbatch the stack got an input of shapes ``got``, not
     ``want``."""
 
+  def explicit_training(self, axes: tuple) -> Exception:
+    """The one-forward-one-backward loop on a mesh whose ``axes`` are
+    Explicit."""
+
 
 class Training(Protocol):
   """What the 1F1B loop needs of the loss it differentiates.
@@ -142,6 +146,77 @@ def run_pipeline(layout: Layout, mesh: Any, layer: Callable[..., Any],
     mutable collections (stage-major) and, under ``training``, the
     surrogate loss (see :func:`surrogate`), otherwise None.
   """
+  run = functools.partial(_run_pipeline, layout, mesh, layer, policy,
+                          length=length, is_mutable=is_mutable,
+                          explain=explain, training=training)
+  context = jax.sharding.get_abstract_mesh()
+  explicit = tuple(name for name, kind in zip(context.axis_names,
+                                              context.axis_types)
+                   if kind == jax.sharding.AxisType.Explicit)
+  if not explicit:
+    return run(c, stacked, keys, per_layer)
+  if training is not None:
+    raise explain.explicit_training(explicit)
+  run = functools.partial(_run_pipeline, layout, None, layer, policy,
+                          length=length, is_mutable=is_mutable,
+                          explain=explain)
+  # On Explicit axes an array's type carries its sharding, and the loops
+  # slice and reshape along sharded axes (the stage axis, the batch into
+  # microbatches), which JAX allows only where it can infer the result's
+  # layout. So the loops run with those axes Auto (their shard_map on the
+  # context's mesh, mesh=None), and the results come back laid out as the
+  # inputs were.
+  _, mutable = split_collections(layout, stacked, is_mutable, explain)
+  out = (_specs(c), _specs(mutable), None if training is None else
+         PartitionSpec())
+  trees = (c, stacked, keys, per_layer)
+  if training is not None:
+    trees += (training.params, list(training.arrays))
+  unique, rebuild = _distinct_leaves(trees)
+
+  def region(*inner):
+    c, stacked, keys, per_layer, *loss_inputs = rebuild(inner)
+    inner_training = training and _Within(training, *loss_inputs)
+    return run(c, stacked, keys, per_layer, training=inner_training)
+
+  return jax.sharding.auto_axes(region, axes=explicit, out_sharding=out)(
+      *unique)
+
+
+def _specs(tree):
+  return tree_map(lambda a: jax.typeof(a).sharding.spec, tree)
+
+
+def _distinct_leaves(trees):
+  """The distinct leaves of ``trees`` (by identity), and a function making
+  ``trees`` again from replacements for them: the 1F1B loop finds the
+  stack's parameters among the loss's by identity, which a transform
+  boundary keeps only if a leaf crosses it once."""
+  leaves, treedef = jax.tree_util.tree_flatten(trees)
+  index, unique = {}, []
+  for leaf in leaves:
+    if id(leaf) not in index:
+      index[id(leaf)] = len(unique)
+      unique.append(leaf)
+  positions = [index[id(leaf)] for leaf in leaves]
+  return unique, lambda new: jax.tree_util.tree_unflatten(
+      treedef, [new[i] for i in positions])
+
+
+class _Within:
+  """A :class:`Training` whose params and arrays are those inside a
+  transform boundary (the loss itself is the caller's)."""
+
+  def __init__(self, outer, params, arrays):
+    self.outer, self.params, self.arrays = outer, params, arrays
+    self.batched, self.has_aux = outer.batched, outer.has_aux
+
+  def call(self, params, arrays, given):
+    return self.outer.call(params, arrays, given)
+
+
+def _run_pipeline(layout, mesh, layer, policy, c, stacked, keys, per_layer, *,
+                  length, is_mutable, explain, training):
   fixed, mutable = split_collections(layout, stacked, is_mutable, explain)
   micro = microbatches(c, layout.microbatches, explain)
   staged = tuple(_staged(tree, layout) for tree in (

@@ -1,0 +1,196 @@
+"""Meshes with Explicit axes (``jax.sharding.AxisType.Explicit``), and mixed
+ones, against the same model on an all-Auto mesh, on 8 simulated CPU
+devices. Not collected by the main run: ``test_explicit_mesh.py`` runs this
+file in a fresh process. By hand: ``python -m pytest
+tests/spmd/explicit_mesh_cases.py``.
+
+On an Explicit axis an array's sharding is part of its type: constraints
+become ``jax.sharding.reshard``, and JAX asks model code for the output
+sharding of a contraction over a sharded dimension (``out_sharding=``,
+which ``nn.logical_out_sharding`` derives from logical names). The model
+below is written that way once and runs on every mesh.
+"""
+import os
+
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                           ' --xla_force_host_platform_device_count=8')
+
+import jax  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import liftmods as nn
+
+if jax.device_count() < 8:
+  pytest.skip('needs 8 devices: JAX was started before XLA_FLAGS was set '
+              '(run this file in its own process)', allow_module_level=True)
+
+KEY = jax.random.key(0)
+X = jnp.asarray(np.random.RandomState(0).normal(size=(8, 8)), jnp.float32)
+AUTO, EXPLICIT = AxisType.Auto, AxisType.Explicit
+TYPES = {'explicit': (EXPLICIT, EXPLICIT), 'first_explicit': (EXPLICIT, AUTO),
+         'second_explicit': (AUTO, EXPLICIT)}
+
+
+def dot_to(*names):
+  """A dot_general whose output is laid out as the logical ``names`` say
+  (what JAX asks for on Explicit axes; nothing on Auto ones)."""
+  def dot_general(*args, **kwargs):
+    return jax.lax.dot_general(
+        *args, **kwargs, out_sharding=nn.logical_out_sharding(names))
+  return dot_general
+
+
+def part(*names):
+  return nn.with_logical_partitioning(nn.initializers.lecun_normal(), names)
+
+
+class Block(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(16, kernel_init=part('embed', 'mlp'))(x)
+    h = nn.with_logical_constraint(jnp.tanh(h), ('batch', 'mlp'))
+    y = nn.Dense(8, kernel_init=part('mlp', 'embed'),
+                 dot_general=dot_to('batch', 'embed'))(h)
+    return nn.with_logical_constraint(x + y, ('batch', 'embed'))
+
+
+class Model(nn.Module):
+  pipeline: nn.Pipeline | None = None
+  policy: str | None = None
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.with_logical_constraint(x, ('batch', 'embed'))
+    return nn.Stack(Block, 4, policy=self.policy, pipeline=self.pipeline)(
+        name='stack')(x)
+
+
+STACK_MESH = (('data', 'model'), (4, 2),
+              (('batch', 'data'), ('embed', None), ('mlp', 'model')))
+PIPE_MESH = (('stage', 'data'), (2, 4),
+             (('batch', 'data'), ('embed', None), ('mlp', None)))
+
+
+def run(model, layout, types):
+  """init_sharded, apply and the gradient of a squared loss, with the
+  returned shardings' specs, on a mesh of ``types``."""
+  names, shape, rules = layout
+  mesh = jax.make_mesh(shape, names, axis_types=types)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    v, shardings = nn.init_sharded(model, mesh, rules)(KEY, X)
+    y = jax.jit(model.apply)(v, X)
+    g = jax.jit(jax.grad(lambda v: (model.apply(v, X) ** 2).mean()))(v)
+    specs = jax.tree_util.tree_map(lambda s: s.spec, shardings)
+    typed = jax.tree_util.tree_map(lambda a: jax.typeof(a).sharding.spec, v)
+  return jax.device_get((v, y, g)), specs, typed, jax.typeof(y)
+
+
+def assert_equal_trees(a, b):
+  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b),
+                  strict=True):
+    np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize('kind', sorted(TYPES))
+@pytest.mark.parametrize('policy', [None, 'full'])
+def test_stack_equals_the_auto_mesh(kind, policy):
+  model = Model(policy=policy)
+  auto, auto_specs, _, _ = run(model, STACK_MESH, (AUTO, AUTO))
+  out, specs, typed, y_type = run(model, STACK_MESH, TYPES[kind])
+  assert_equal_trees(out, auto)
+  assert specs == auto_specs
+  kernel = ['params', 'stack', 'Dense_0', 'kernel']
+  spec = specs
+  for k in kernel:
+    spec = spec[k]
+  assert spec == P(None, None, 'model')
+  # On an Explicit axis the arrays' types carry the layout.
+  explicit = {n for n, t in zip(STACK_MESH[0], TYPES[kind]) if t == EXPLICIT}
+  typed_kernel = typed
+  for k in kernel:
+    typed_kernel = typed_kernel[k]
+  assert typed_kernel == (P(None, None, 'model') if 'model' in explicit
+                          else P(None, None, None))
+  assert ('data' in explicit) == (y_type.sharding.spec[0] == 'data')
+
+
+@pytest.mark.parametrize('kind', sorted(TYPES))
+def test_pipeline_equals_the_auto_mesh(kind):
+  model = Model(pipeline=nn.Pipeline(stages=2, microbatches=2))
+  auto, auto_specs, _, _ = run(model, PIPE_MESH, (AUTO, AUTO))
+  out, specs, typed, _ = run(model, PIPE_MESH, TYPES[kind])
+  assert_equal_trees(out, auto)
+  assert specs == auto_specs
+  if TYPES[kind][0] == EXPLICIT:  # the stage axis
+    assert typed['params']['stack']['Dense_0']['kernel'][0] == 'stage'
+
+
+@pytest.mark.parametrize('kind', ['explicit', 'second_explicit'])
+def test_one_f_one_b_says_it_needs_an_auto_mesh(kind):
+  model = Model(pipeline=nn.Pipeline(stages=2, microbatches=4, mode='1f1b'))
+  names, shape, rules = PIPE_MESH
+  mesh = jax.make_mesh(shape, names, axis_types=TYPES[kind])
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    v, _ = nn.init_sharded(model, mesh, rules)(KEY, X)
+    loss = lambda v, x: (model.apply(v, x) ** 2).mean()
+    with pytest.raises(nn.PipelineError) as info:
+      jax.jit(nn.pipeline.value_and_grad(loss))(v, X)
+  assert str(info.value).startswith(
+      "Stack at /stack: Pipeline(mode='1f1b') does not run on a mesh with "
+      'Explicit axes yet')
+
+
+@pytest.mark.parametrize('kind', sorted(TYPES))
+def test_with_logical_constraint_reshards_on_explicit_axes(kind):
+  names, shape, rules = STACK_MESH
+  mesh = jax.make_mesh(shape, names, axis_types=TYPES[kind])
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    y = jax.jit(lambda x: nn.with_logical_constraint(
+        x * 2, ('batch', 'mlp')))(jnp.ones((8, 4)))
+  explicit = [n for n, t in zip(names, TYPES[kind]) if t == EXPLICIT]
+  want = P(*(a if a in explicit else None for a in ('data', 'model')))
+  assert jax.typeof(y).sharding.spec == want
+  assert y.sharding.spec == P('data', 'model')
+  np.testing.assert_array_equal(y, 2 * np.ones((8, 4)))
+
+
+def test_logical_out_sharding_keeps_explicit_axes_only():
+  names, shape, rules = STACK_MESH
+  with nn.logical_axis_rules(rules):
+    assert nn.logical_out_sharding(('batch', 'mlp')) is None  # no mesh
+    for kind, want in (('explicit', P('data', 'model')),
+                       ('first_explicit', P('data', None)),
+                       ('second_explicit', P(None, 'model'))):
+      mesh = jax.make_mesh(shape, names, axis_types=TYPES[kind])
+      with jax.set_mesh(mesh):
+        assert nn.logical_out_sharding(('batch', 'mlp')) == want, kind
+    with jax.set_mesh(jax.make_mesh(shape, names, axis_types=(AUTO, AUTO))):
+      assert nn.logical_out_sharding(('batch', 'mlp')) is None
+
+
+def test_an_adamw_step_on_an_explicit_mesh_equals_the_auto_one():
+  names, shape, rules = STACK_MESH
+  model, opt = Model(policy='full'), optax.adamw(1e-2)
+
+  def train(types):
+    mesh = jax.make_mesh(shape, names, axis_types=types)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+      v, _ = nn.init_sharded(model, mesh, rules)(KEY, X)
+      state = opt.init(v)
+
+      @jax.jit
+      def step(v, state):
+        g = jax.grad(lambda v: (model.apply(v, X) ** 2).mean())(v)
+        updates, state = opt.update(g, state, v)
+        return optax.apply_updates(v, updates), state
+
+      for _ in range(3):
+        v, state = step(v, state)
+      return jax.device_get(v)
+
+  assert_equal_trees(train(TYPES['explicit']), train((AUTO, AUTO)))
