@@ -321,7 +321,10 @@ def test_init_sharded_puts_each_stage_on_its_devices():
   plain = nn.unbox(init(nn.Stack(Wide, 16)(), x))
   expected = np.asarray(pipe.to_pipeline_layout(plain)['params']['Dense_0'][
       'kernel'])
-  assert_bitwise(kernel, expected)
+  # Bit for bit on jax 0.10; jaxlib 0.12 rounds the float arithmetic of the
+  # sharded init program apart from the one-device one in the last bit (43
+  # of 1024 entries, at most 1.2e-7 apart).
+  np.testing.assert_allclose(kernel, expected, rtol=1e-6, atol=0)
   stage_of = {d: i for i, row in enumerate(mesh.devices) for d in row}
   for shard in kernel.addressable_shards:
     stage = stage_of[shard.device]
