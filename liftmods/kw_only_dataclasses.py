@@ -86,9 +86,6 @@ _LINEN_ONLY = {
 }
 
 
-def __getattr__(name):
-  reason = _LINEN_ONLY.get(name)
-  if reason is None:
-    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
-  raise AttributeError(f'flax.linen.kw_only_dataclasses.{name} is not '
-                       f'provided by {__name__}: {reason}')
+from liftmods.linen_names import not_provided  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+__getattr__ = not_provided(__name__, 'flax.linen.kw_only_dataclasses', _LINEN_ONLY)
