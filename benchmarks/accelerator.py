@@ -299,6 +299,24 @@ def lm_size() -> str:
   return next(s for gib, s in DEVICE_LM_SIZES if limit >= gib * 2.0**30)
 
 
+def compile_step(model, optimizer, tokens, unbox, library: str):
+  """``model``'s train step lowered under ``library``'s bf16 policy and
+  compiled: ``(Stepper, {'lower_s', 'compile_s', 'first_loss'})``."""
+  from benchmarks import scaling  # pylint: disable=import-outside-toplevel
+  from examples.lm import train as lm_train  # pylint: disable=import-outside-toplevel
+  state, _ = lm_train.init_state(model, optimizer, 0, unbox=unbox)
+  step = lm_train.make_train_step(model, optimizer, 0)
+  start = time.perf_counter()
+  with scaling.precision_scope(library, 'bf16'):
+    lowered = step.lower(state, tokens)
+  lowered_at = time.perf_counter()
+  stepper = Stepper(lowered.compile(), state, tokens)
+  compiled_at = time.perf_counter()
+  return stepper, {'lower_s': lowered_at - start,
+                   'compile_s': compiled_at - lowered_at,
+                   'first_loss': float(stepper())}
+
+
 def lm_child(rec: Record, deadline: float):
   from benchmarks import scaling  # pylint: disable=import-outside-toplevel
   import flax.linen as fnn  # pylint: disable=import-outside-toplevel
@@ -324,20 +342,11 @@ def lm_child(rec: Record, deadline: float):
       0, cfg.vocab_size, (batch, cfg.max_len + 1)), jnp.int32)
   steppers = {}
   for name, model in models.items():
-    state, _ = lm_train.init_state(model, optimizer, 0, unbox=unbox[name])
-    step = lm_train.make_train_step(model, optimizer, 0)
-    start = time.perf_counter()
-    with scaling.precision_scope(name, 'bf16'):
-      lowered = step.lower(state, tokens)
-    lowered_at = time.perf_counter()
-    compiled = lowered.compile()
-    steppers[name] = Stepper(compiled, state, tokens)
-    loss = float(steppers[name]())
-    rec[name] = {'lower_s': lowered_at - start,
-                 'compile_s': time.perf_counter() - lowered_at,
-                 'first_loss': loss}
+    steppers[name], rec[name] = compile_step(model, optimizer, tokens,
+                                             unbox[name], name)
     print(f'  {name}: lowered in {rec[name]["lower_s"]:.1f} s, compiled in '
-          f'{rec[name]["compile_s"]:.1f} s, first loss {loss:.4f}', flush=True)
+          f'{rec[name]["compile_s"]:.1f} s, first loss '
+          f'{rec[name]["first_loss"]:.4f}', flush=True)
     rec.save()
 
   remaining = lambda share: share * max(0.0, deadline - time.perf_counter())
@@ -428,21 +437,10 @@ def attention_child(rec: Record, deadline: float):
       0, cfg.vocab_size, (batch, cfg.max_len + 1)), jnp.int32)
   steppers = {}
   for name, config in configs.items():
-    model = lm.TransformerLM(config)
-    state, _ = lm_train.init_state(model, optimizer, 0, unbox=lnn.unbox)
-    step = lm_train.make_train_step(model, optimizer, 0)
-    start = time.perf_counter()
-    with scaling.precision_scope('liftmods', 'bf16'):
-      lowered = step.lower(state, tokens)
-    lowered_at = time.perf_counter()
-    compiled = lowered.compile()
-    steppers[name] = Stepper(compiled, state, tokens)
-    loss = float(steppers[name]())
-    rec[name] = {'lower_s': lowered_at - start,
-                 'compile_s': time.perf_counter() - lowered_at,
-                 'first_loss': loss}
+    steppers[name], rec[name] = compile_step(
+        lm.TransformerLM(config), optimizer, tokens, lnn.unbox, 'liftmods')
     print(f'  {name}: compiled in {rec[name]["compile_s"]:.1f} s, first '
-          f'loss {loss:.4f}', flush=True)
+          f'loss {rec[name]["first_loss"]:.4f}', flush=True)
     rec.save()
   timed = alternating(steppers, setting('lm_rounds'), setting('lm_steps'),
                       0.9 * max(0.0, deadline - time.perf_counter()))
