@@ -42,6 +42,10 @@ from liftmods.call_context import split_arrays
 from liftmods.core import pipeline_loop
 
 
+MODES = ('gpipe', '1f1b', 'zero_bubble')
+TRAINED = ('1f1b', 'zero_bubble')  # the loops that compute the gradients
+
+
 class PipelineError(errors.StackError):
   """A pipelined stack cannot run as configured or on the given inputs."""
 
@@ -71,11 +75,16 @@ class Pipeline:
     mesh: the mesh; ``None`` takes the one set with ``jax.set_mesh`` /
       ``jax.sharding.use_mesh``.
     mode: ``'gpipe'`` (a forward loop; ``jax.grad`` runs the backward loop
-      after it) or ``'1f1b'``: under :func:`value_and_grad` each iteration
-      runs one microbatch's forward and another's backward, so a stage
-      holds at most ``2(S − s) − 1`` microbatch inputs whatever ``M`` is.
-      Outside :func:`value_and_grad` (evaluation) a ``'1f1b'`` stack runs
-      the GPipe forward loop. ``'1f1b'`` needs ``repeats=1``.
+      after it), ``'1f1b'`` or ``'zero_bubble'``. Under
+      :func:`value_and_grad` ``'1f1b'`` runs each iteration one
+      microbatch's forward and another's backward, so a stage holds a
+      number of microbatch inputs that does not grow with ``M``; with
+      ``repeats=v > 1`` it is interleaved 1F1B (``v`` chunks per stage,
+      the circular layer layout; needs ``M`` divisible by ``S``).
+      ``'zero_bubble'`` (ZB-H1) splits each backward into the input
+      gradient and the weight gradient and runs the latter later, in slots
+      1F1B leaves idle. Outside :func:`value_and_grad` (evaluation) these
+      stacks run the GPipe (circular) forward loop. See :meth:`table`.
   """
   stages: int
   microbatches: int
@@ -92,73 +101,119 @@ class Pipeline:
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f'Pipeline.{name} must be a positive int; got '
                          f'{value!r}.')
+    if self.mode not in MODES:
+      raise ValueError(f'Pipeline.mode must be one of '
+                       f"{', '.join(map(repr, MODES))}; got {self.mode!r}.")
+    if (self.mode in TRAINED and self.repeats > 1 and
+        self.microbatches % self.stages):
+      raise ValueError(
+          f'Pipeline: interleaved mode={self.mode!r} (repeats={self.repeats}) '
+          'sends microbatches through the chunks in groups of stages, so '
+          'microbatches must be a multiple of stages; got microbatches='
+          f'{self.microbatches}, stages={self.stages}. Use microbatches='
+          f'{-(-self.microbatches // self.stages) * self.stages}, or '
+          'repeats=1.')
     if self.repeats > 1 and self.microbatches < self.stages:
       raise ValueError(
           f'Pipeline: the circular schedule (repeats={self.repeats}) needs '
           f'at least as many microbatches as stages; got microbatches='
           f'{self.microbatches} < stages={self.stages}.')
-    if self.mode not in ('gpipe', '1f1b'):
-      raise ValueError(f"Pipeline.mode must be 'gpipe' or '1f1b'; got "
-                       f'{self.mode!r}.')
-    if self.mode == '1f1b' and self.repeats != 1:
+    if self.mode in TRAINED and self.remat_iterations:
       raise ValueError(
-          f"Pipeline: mode='1f1b' runs repeats=1 (the interleaved 1F1B "
-          f'schedule is not implemented); got repeats={self.repeats}.')
-    if self.mode == '1f1b' and self.remat_iterations:
-      raise ValueError(
-          "Pipeline: mode='1f1b' already recomputes each stage from its "
-          'stored input in the backward pass; remat_iterations applies to '
-          "mode='gpipe' only.")
+          f'Pipeline: mode={self.mode!r} already recomputes each stage from '
+          'its stored input in the backward pass; remat_iterations applies '
+          "to mode='gpipe' only.")
     names = self.per_microbatch
     object.__setattr__(self, 'per_microbatch',
                        (names,) if isinstance(names, str) else tuple(names))
 
   @property
+  def split_backward(self) -> bool:
+    """Whether the training loop splits each backward into an input- and
+    a weight-gradient slot (``'zero_bubble'``)."""
+    return self.mode == 'zero_bubble'
+
+  def table(self) -> pipeline_loop.Table:
+    """The training loop's schedule (``'1f1b'``, ``'zero_bubble'``), the
+    table the loop itself reads: per iteration and stage, which chunk and
+    microbatch each kind of slot (F, B, W) runs."""
+    if self.mode not in TRAINED:
+      raise ValueError(f"table: mode={self.mode!r} trains with jax.grad's "
+                       'loop, not a schedule table; see schedule().')
+    return pipeline_loop.training_table(self.stages, self.microbatches,
+                                        self.repeats, self.split_backward)
+
+  @property
   def iterations(self) -> int:
     """The length of the loop over iterations: ``M·R + S − 1`` (GPipe,
     circular; each iteration a forward, ``jax.grad`` adds as many backward
-    iterations), ``M + 2S − 2`` for ``'1f1b'`` (each iteration a forward
-    and a backward)."""
-    if self.mode == '1f1b':
-      return self.microbatches + 2 * self.stages - 2
+    iterations), ``M·v + v·S + S − 2`` for ``'1f1b'`` and
+    ``'zero_bubble'`` (``v = repeats``; the first and last run only some
+    kinds of slot, see :meth:`table`)."""
+    if self.mode in TRAINED:
+      return self.microbatches * self.repeats + (
+          self.repeats + 1) * self.stages - 2
     return self.microbatches * self.repeats + self.stages - 1
 
   @property
   def bubble_fraction(self) -> float:
-    """The share of idle stage-iterations, ``(S − 1) / (M·R + S − 1)``.
-    For ``'1f1b'`` the share of idle forward (and of idle backward) slots
-    among those the loop runs: its first ``S − 1`` iterations run no
-    backward and its last ``S − 1`` no forward on any stage, and skip them,
-    so each stage runs ``M + S − 1`` forward and ``M + S − 1`` backward
-    slots, ``S − 1`` of each idle: GPipe's fraction."""
-    return (self.stages - 1) / (
-        self.microbatches * self.repeats + self.stages - 1)
+    """The share of idle slot time, each forward, input-gradient and
+    weight-gradient slot costing the same. GPipe, circular, 1F1B and
+    interleaved 1F1B: ``(S − 1) / (M·R + S − 1)`` (the training loops
+    leave out the halves no stage uses, so each stage runs ``M·v + S − 1``
+    forward and as many backward slots, ``S − 1`` of each idle).
+    ``'zero_bubble'``: ``2(S − 1) / (3M·R + 2(S − 1))``: the weight
+    gradients fill every W slot, and only the forward and input-gradient
+    slots keep their ``S − 1`` idle each (``Table.idle_fraction`` measures
+    it on the table).
+
+    >>> Pipeline(4, 8, mode='zero_bubble').bubble_fraction
+    0.2
+    """
+    s, work = self.stages, self.microbatches * self.repeats
+    if self.split_backward:
+      return 2 * (s - 1) / (3 * work + 2 * (s - 1))
+    return (s - 1) / (work + s - 1)
+
+  def _items(self, kind):
+    kind = self.table().kinds[kind]
+    return np.where(kind['ok'] == 1,
+                    kind['repeat'] * self.microbatches + kind['micro'], -1)
 
   def schedule(self) -> np.ndarray:
     """``(iterations, stages)`` work items: ``j = r·M + m`` (repeat ``r``,
     microbatch ``m``) that stage ``s`` runs forward at iteration ``t``, or
     -1."""
+    if self.mode in TRAINED:
+      return self._items('F')
     t = np.arange(self.iterations)[:, None]
     j = t - np.arange(self.stages)[None, :]
     return np.where((j >= 0) & (j < self.microbatches * self.repeats), j, -1)
 
   def backward_schedule(self) -> np.ndarray:
-    """For ``'1f1b'``: the ``(iterations, stages)`` microbatches whose
-    backward pass stage ``s`` runs at iteration ``t`` (``t − 2S + 2 + s``),
-    or -1. The last stage runs a microbatch's backward in the iteration of
-    its forward, and each cotangent takes one iteration per stage back.
+    """For ``'1f1b'`` and ``'zero_bubble'``: the ``(iterations, stages)``
+    work items ``r·M + m`` whose backward pass (input gradient, for
+    ``'zero_bubble'``) stage ``s`` runs at iteration ``t``, or -1. The
+    last stage runs the last chunk's backward in the iteration of its
+    forward, and each cotangent takes one iteration per stage back.
 
     >>> p = Pipeline(stages=2, microbatches=3, mode='1f1b')
     >>> p.schedule().T.tolist(), p.backward_schedule().T.tolist()
     ([[0, 1, 2, -1, -1], [-1, 0, 1, 2, -1]], [[-1, -1, 0, 1, 2], \
 [-1, 0, 1, 2, -1]])
     """
-    if self.mode != '1f1b':
+    if self.mode not in TRAINED:
       raise ValueError("backward_schedule: the backward pass of mode="
                        f"{self.mode!r} is jax.grad's loop, not a schedule.")
-    t = np.arange(self.iterations)[:, None]
-    b = t - (2 * self.stages - 2) + np.arange(self.stages)[None, :]
-    return np.where((b >= 0) & (b < self.microbatches), b, -1)
+    return self._items('B')
+
+  def weight_schedule(self) -> np.ndarray:
+    """For ``'zero_bubble'``: the work items whose weight gradient stage
+    ``s`` runs at iteration ``t``, or -1."""
+    if not self.split_backward:
+      raise ValueError('weight_schedule: only mode=\'zero_bubble\' splits '
+                       'the weight gradient from the backward.')
+    return self._items('W')
 
   def layers_per_stage(self, length: int, path: str = '') -> int:
     """``K = L / (R·S)``, or a PipelineError when that does not divide."""
@@ -347,6 +402,7 @@ class _StackErrors:
   """The pipeline loops' errors (``pipeline_loop.Explain``), worded for the
   stack at ``path``."""
   path: str
+  mode: str = 'gpipe'
 
   def batch(self, shape, microbatches):
     return PipelineError(
@@ -385,8 +441,8 @@ class _StackErrors:
 
   def explicit_training(self, axes):
     return PipelineError(
-        f"Stack at {self.path}: Pipeline(mode='1f1b') does not run on a mesh "
-        f'with Explicit axes yet (here {", ".join(map(repr, axes))}): under '
+        f'Stack at {self.path}: Pipeline(mode={self.mode!r}) does not run on '
+        f'a mesh with Explicit axes yet (here {", ".join(map(repr, axes))}): under '
         'jax.sharding.auto_axes its compiled loop waits on collectives that '
         'not every device reaches. Build the mesh with AxisType.Auto axes, '
         "or use mode='gpipe', which runs on Explicit axes.")
@@ -411,16 +467,18 @@ def run_schedule(pipeline: Pipeline, layer, policy, c, stacked, keys,
   """
   pipeline.layers_per_stage(length, path)
   mesh = pipeline.resolve_mesh(path)
-  step = _training.context if pipeline.mode == '1f1b' else None
+  step = _training.context if pipeline.mode in TRAINED else None
   if step is not None:
     if step.path not in (None, path):
       raise PipelineError(
           f"pipeline.value_and_grad: loss_fn calls two stacks with Pipeline("
-          f"mode='1f1b'), at {step.path} and {path}; it runs exactly one.")
+          f"mode={pipeline.mode!r}), at {step.path} and {path}; it runs "
+          'exactly one.')
     step.path = path
   c, mutable, loss = pipeline_loop.run_pipeline(
       pipeline, mesh, layer, policy, c, stacked, keys, per_layer,
-      length=length, is_mutable=is_mutable, explain=_StackErrors(path),
+      length=length, is_mutable=is_mutable,
+      explain=_StackErrors(path, pipeline.mode),
       training=step)
   if step is not None:
     step.loss = loss
@@ -551,8 +609,8 @@ def value_and_grad(loss_fn: Callable[..., Any], *, has_aux: bool = False,
       if step.loss is None:
         raise PipelineError(
             "pipeline.value_and_grad: loss_fn called no stack with "
-            "Pipeline(mode='1f1b'); for other stacks use "
-            'jax.value_and_grad.')
+            "Pipeline(mode='1f1b') (or 'zero_bubble'); for other stacks "
+            'use jax.value_and_grad.')
       return (step.loss, out[1]) if has_aux else step.loss
 
     return jax.value_and_grad(total, has_aux=has_aux)(params)
@@ -565,7 +623,7 @@ def substituted(pipeline: Pipeline, path: Sequence[str], x):
   stack output the loop computed for it (the stack at ``path`` returns it
   without running); otherwise None."""
   y = _training.substitute
-  if y is None or pipeline.mode != '1f1b':
+  if y is None or pipeline.mode not in TRAINED:
     return None
   if isinstance(y, pipeline_loop.Capture):
     y.value = x

@@ -27,11 +27,13 @@ layer function and the stacked variables in the layout's stored
 """
 import dataclasses
 import functools
+import heapq
 from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from liftmods import jax_private
@@ -48,6 +50,7 @@ class Layout(Protocol):
   axis: str
   remat_iterations: bool
   per_microbatch: Sequence[str]
+  split_backward: bool  # the training loop splits B and W (zero bubble)
 
   @property
   def iterations(self) -> int:
@@ -323,25 +326,34 @@ def stage_fn(layer: Callable[..., Any], policy: Callable[..., Any] | None,
   """``stage(x, fixed, r, mutable, keys, per_layer) -> (x, updated)``: a
   stage's ``n_layers`` layers of repeat ``r`` on one microbatch, each under
   ``jax.checkpoint`` with ``policy`` (by default: save all but the slices
-  of the parameters)."""
+  of the parameters). Given ``probes`` (one per layer, shaped like ``x``)
+  each layer's output gets its probe added and the stage returns ``(x,
+  updated, outputs)``, every layer's output; ``cut`` (a traced bool)
+  stops the gradient between layers."""
 
-  def stage(x, fixed, r, mutable, keys, per_layer):
+  def stage(x, fixed, r, mutable, keys, per_layer, probes=None, cut=None):
     # The parameters are sliced inside the checkpoint: the backward pass
     # slices them again instead of keeping a copy per iteration.
     def one(x, sliced):
-      l, mutable, keys, per_layer = sliced
+      l, mutable, keys, per_layer, probe = sliced
+      if cut is not None:  # no gradient from a layer to the one before
+        x = _select(cut, tree_map(lax.stop_gradient, x), x)
       own = _at(_at(fixed, r), l)
       variables = tuple({**f, **m} for f, m in zip(own, mutable))
-      return layer(x, (variables, keys, per_layer))
+      x, (ys, updated) = layer(x, (variables, keys, per_layer))
+      if probe is None:
+        return x, (ys, updated)
+      x = tree_map(jnp.add, x, probe)  # its cotangent: the output's
+      return x, (ys, updated, x)
 
     one = jax.checkpoint(one, policy=policy or _save_all_but_slices,
                          prevent_cse=False)
-    x, (_, updated) = lax.scan(
-        one, x, (jnp.arange(n_layers), mutable, keys, per_layer))
+    x, (_, updated, *outputs) = lax.scan(
+        one, x, (jnp.arange(n_layers), mutable, keys, per_layer, probes))
     held = jax.tree_util.tree_structure(mutable)
     if jax.tree_util.tree_structure(updated) != held:
       raise explain.wrote(jax.tree_util.tree_structure(updated), held)
-    return x, updated
+    return (x, updated, *outputs)
 
   return stage
 
@@ -421,6 +433,151 @@ def _forward_stage(layout, stage, micro, fixed, mutable, keys, per_layer):
   return _lead(buffer), _lead(mutable)
 
 
+# -- training schedules as tables ------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+  """A training schedule (1F1B, interleaved 1F1B, zero-bubble) as the loop
+  runs it: for every iteration ``t`` and stage ``s``, which work item each
+  kind of slot holds. The loop reads its rows; the pictures of the
+  schedules (``benchmarks/pipeline.py``) read the same arrays.
+
+  Attributes:
+    stages, microbatches, repeats: ``S``, ``M`` and ``v`` (chunks, or
+      virtual stages, per device).
+    split: the backward is split into ``B`` (input gradient) and ``W``
+      (weight gradient); otherwise ``B`` computes both.
+    kinds: ``{'F': ..., 'B': ..., 'W': ...}`` (no ``'W'`` unless ``split``),
+      each a dict of ``(T, S)`` int arrays: ``ok`` (1 where the slot does
+      work), ``repeat`` (the chunk ``r``), ``micro`` (the microbatch) and
+      ``slot`` (where its stage input is stored); ``'B'`` and ``'W'`` also
+      ``cot`` (where ``B`` stores the per-layer cotangents ``W`` reads).
+    inputs: stage inputs a device holds at most (the ring's size).
+    cotangents: per-layer cotangent sets a device holds at most.
+  """
+  stages: int
+  microbatches: int
+  repeats: int
+  split: bool
+  kinds: dict
+  inputs: int
+  cotangents: int
+
+  @property
+  def iterations(self) -> int:
+    return self.kinds['F']['ok'].shape[0]
+
+  def phases(self) -> list:
+    """``[(start, stop, kinds)]``: runs of iterations in which the same
+    kinds of slot do work on some stage (a loop each; a kind no stage
+    uses in a run is left out of its body)."""
+    present = [tuple(k for k in self.kinds if self.kinds[k]['ok'][t].any())
+               for t in range(self.iterations)]
+    out = []
+    for t, kinds in enumerate(present):
+      if out and out[-1][2] == kinds:
+        out[-1] = (out[-1][0], t + 1, kinds)
+      else:
+        out.append((t, t + 1, kinds))
+    return out
+
+  def slots(self) -> dict:
+    """``{kind: iterations whose loop body holds that kind of slot}``."""
+    return {k: sum(stop - start for start, stop, kinds in self.phases()
+                   if k in kinds) for k in self.kinds}
+
+  def idle_fraction(self, cost=None) -> float:
+    """Idle share of the slot time every stage runs, each slot weighted by
+    ``cost[kind]`` (default 1 for F, B and W; a backward that is not split
+    counts 2, B and W together)."""
+    cost = cost or {'F': 1, 'B': 1 if self.split else 2, 'W': 1}
+    work = self.microbatches * self.repeats
+    total = sum(cost[k] * n * self.stages for k, n in self.slots().items())
+    busy = sum(cost[k] * work * self.stages for k in self.kinds)
+    return 1 - busy / total
+
+
+def training_table(stages: int, microbatches: int, repeats: int = 1,
+                   split: bool = False) -> Table:
+  """The schedule of the training loop.
+
+  Forward work item ``j`` (chunk ``r``, microbatch ``m``) runs on stage
+  ``s`` at ``t = j + s``; items go in groups of ``S`` microbatches through
+  every chunk (``r = (j mod vS) div S``, ``m = (j div vS)·S + j mod S``), so
+  a microbatch leaving the last stage in chunk ``r`` enters stage 0 in
+  chunk ``r + 1`` the next iteration (Megatron's interleaved order; needs
+  ``M`` divisible by ``S`` when ``v > 1``). Backward item ``k`` runs the
+  chunks in reverse, on stage ``s`` at ``t = k + vS − 1 + S − 1 − s``: the
+  last stage runs the last chunk's backward in the iteration of its
+  forward. With ``split``, ``W`` of item ``k`` runs on every stage at
+  ``t = k + vS + S − 2``, the iteration of stage 0's ``B``: ``W`` lags ``B``
+  by ``s`` iterations and fills the slots 1F1B leaves idle at the end.
+
+  >>> t = training_table(2, 2)
+  >>> t.kinds['F']['micro'].T.tolist(), t.kinds['F']['ok'].T.tolist()
+  ([[0, 1, 1, 1], [0, 0, 1, 1]], [[1, 1, 0, 0], [0, 1, 1, 0]])
+  >>> t.phases(), t.inputs
+  ([(0, 1, ('F',)), (1, 3, ('F', 'B')), (3, 4, ('B',))], 2)
+  """
+  s_, m_, v = stages, microbatches, repeats
+  work = m_ * v
+  n = work + v * s_ + s_ - 2
+  t = np.arange(n)[:, None]
+  s = np.arange(s_)[None, :]
+  group = s_ * v
+
+  def kind(item, reverse):
+    ok = (item >= 0) & (item < work)
+    item = np.clip(item, 0, work - 1)
+    chunk = (item % group) // s_
+    return {'ok': ok.astype(np.int32),
+            'repeat': (v - 1 - chunk if reverse else chunk).astype(np.int32),
+            'micro': ((item // group) * s_ + item % s_).astype(np.int32)}
+
+  kinds = {'F': kind(t - s + 0 * s, False),
+           'B': kind(t - (v * s_ - 1) - (s_ - 1 - s), True)}
+  if split:
+    kinds['W'] = kind(t - (v * s_ + s_ - 2) + 0 * s, True)
+  inputs = _allocate(kinds, 'F', 'W' if split else 'B', 'slot')
+  cotangents = _allocate(kinds, 'B', 'W', 'cot') if split else 0
+  return Table(stages, microbatches, repeats, split, kinds, inputs,
+               cotangents)
+
+
+def _allocate(kinds, first, last, name):
+  """Gives every work item a storage slot from its ``first`` kind of slot
+  to its ``last`` (free again the iteration after), lowest free first;
+  writes ``kinds[k][name]`` for the kinds between and returns the number
+  of slots a stage needs."""
+  order = [k for k in kinds][list(kinds).index(first):
+                             list(kinds).index(last) + 1]
+  shape = kinds[first]['ok'].shape
+  for k in order:
+    kinds[k][name] = np.zeros(shape, np.int32)
+  size = 0
+  for s in range(shape[1]):
+    free, held, used, later = [], {}, 0, []
+    for t in range(shape[0]):
+      for slot in later:
+        heapq.heappush(free, slot)
+      later = []
+      for k in order:
+        if not kinds[k]['ok'][t, s]:
+          continue
+        key = (kinds[k]['repeat'][t, s], kinds[k]['micro'][t, s])
+        if k == first:
+          if free:
+            held[key] = heapq.heappop(free)
+          else:
+            held[key], used = used, used + 1
+        kinds[k][name][t, s] = held[key]
+        if k == last:
+          later.append(held.pop(key))
+    size = max(size, used)
+  return size
+
+
 # -- one forward, one backward --------------------------------------------------
 
 
@@ -461,8 +618,8 @@ def surrogate(loss: Any, pairs: Sequence[tuple[Any, Any]]) -> Any:
 
 def _one_f_one_b(layout, training, stage, mesh, micro, fixed, staged,
                  explain):
-  """1F1B across the stages: ``(c, mutable, surrogate loss)`` (see
-  :func:`run_pipeline`)."""
+  """A training schedule across the stages: ``(c, mutable, surrogate
+  loss)`` (see :func:`run_pipeline`)."""
   m = layout.microbatches
   for a, is_batch in zip(training.arrays, training.batched):
     if is_batch and jnp.shape(a)[0] % m:
@@ -480,8 +637,10 @@ def _one_f_one_b(layout, training, stage, mesh, micro, fixed, staged,
   sg = lambda tree: tree_map(lax.stop_gradient, tree)
   shape = tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
                    micro)
+  table = training_table(layout.stages, m, layout.repeats,
+                         layout.split_backward)
   per_stage = functools.partial(_one_f_one_b_stage, layout, training, stage,
-                                shape, explain)
+                                shape, explain, table)
   outputs, mutable, grads, outer_grads, loss = _shard(
       layout, mesh, per_stage, (batches, sg(outer)), sg(staged))
   # The gradients enter jax.grad's trace through the stack's variables (in
@@ -504,64 +663,75 @@ def _repeated(tree, n):
   return tree_map(lambda a: jnp.broadcast_to(a, (n,) + a.shape), tree)
 
 
-def _one_f_one_b_stage(layout, training, stage, shape, explain, batches,
-                       outer, fixed, mutable, keys, per_layer):
-  """1F1B on this stage: ``(outputs, mutable, grads, outer grads, loss)``,
-  each with a leading stage axis of one."""
+def _one_f_one_b_stage(layout, training, stage, shape, explain, table,
+                       batches, outer, fixed, mutable, keys, per_layer):
+  """The training loop on this stage: ``(outputs, mutable, grads, outer
+  grads, loss)``, each with a leading stage axis of one."""
   fixed, mutable, keys, per_layer = _at((fixed, mutable, keys, per_layer), 0)
   outer_diff, rebuild_outer = _inexact(outer)
-  fixed_diff, rebuild_fixed = _inexact(fixed)
   fill = tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shape)
+  loop_class = _ZeroBubble if table.split else _OneFOneB
 
-  def stage_once(x, fixed_diff, mutable):
-    return stage(x, rebuild_fixed(fixed_diff), 0, mutable, _at(keys, 0),
-                 _at(per_layer, 0))
+  def stage_once(x, chunk, state, keys, per_layer, *extra):
+    return stage(x, _lead(chunk), 0, state, keys, per_layer, *extra)
 
   # The stage is traced once, and its program run by the forward and by
   # the backward's recomputation: tracing the blocks again would move
   # their rng counters, and the recomputation would draw other dropout
   # masks than the forward did.
   traced, out_shape = jax.make_jaxpr(stage_once, return_shape=True)(
-      fill, fixed_diff, _at(mutable, 0))
+      fill, _at(fixed, 0), _at(mutable, 0), _at(keys, 0), _at(per_layer, 0),
+      *loop_class.extra_arguments(fill, fixed))
   s = lax.axis_index(layout.axis)
-  loop = _OneFOneB(
+  loop = loop_class(
       layout, training, explain, s, s == 0, s == layout.stages - 1, fill,
-      shape, batches, outer_diff, rebuild_outer, fixed_diff,
+      shape, batches, outer_diff, rebuild_outer, fixed, keys, per_layer,
       jax_private.jaxpr_as_fun(traced),
-      jax.tree_util.tree_structure(out_shape))
-  window = loop.window
-  carry = (_garbage(fill), _garbage(fill), _repeated(fill, window),
-           _repeated(_at(mutable, 0), window), mutable, _zeros(fixed_diff),
-           _zeros(outer_diff), jnp.zeros(()),
-           _repeated(fill, layout.microbatches if training.has_aux else 0))
-  # In the first S - 1 iterations no stage has a backward to run, in the
-  # last S - 1 none a forward: three loops (fill, steady, drain) leave
-  # those halves out, so the step takes M + S - 1 forwards and as many
-  # backwards of time, as GPipe's. (A lax.cond on t would do it in one
-  # loop, but kept XLA:TPU from updating the gradient sums in place: a
-  # copy of the stage's parameters in temp memory.)
-  n_stages, n_micro = layout.stages, layout.microbatches
-  for start, stop, forwards, backwards in (
-      (0, n_stages - 1, True, False),
-      (n_stages - 1, n_micro + n_stages - 1, True, True),
-      (n_micro + n_stages - 1, layout.iterations, False, True)):
-    if stop > start:
-      carry, _ = lax.scan(
-          functools.partial(loop.iteration, forwards=forwards,
-                            backwards=backwards),
-          carry, jnp.arange(start, stop))
-  _, _, _, _, mutable, grads, outer_grads, loss, outputs = carry
-  return _lead((outputs, mutable, grads, outer_grads, loss))
+      jax.tree_util.tree_structure(out_shape), table)
+  carry = loop.start(mutable)
+  # Each run of iterations with the same kinds of work is a loop of its
+  # own, whose body leaves out the kinds no stage runs there (1F1B: no
+  # backward in the first S - 1 iterations, no forward in the last S - 1):
+  # a lax.cond on t would do it in one loop, but kept XLA:TPU from
+  # updating the gradient sums in place (a copy of the stage's parameters
+  # in temp memory).
+  rows = {k: {name: jnp.asarray(a) for name, a in v.items()}
+          for k, v in table.kinds.items()}
+  for start, stop, kinds in table.phases():
+    xs = {k: {name: a[start:stop] for name, a in rows[k].items()}
+          for k in kinds}
+    carry, _ = lax.scan(functools.partial(loop.iteration, kinds=kinds),
+                        carry, xs)
+  return _lead(loop.result(carry))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+  """One kind of work on this stage in one iteration (a row of the
+  table, this stage's column)."""
+  ok: Any
+  repeat: Any
+  micro: Any
+  slot: Any
+  cot: Any = None
+
+  @classmethod
+  def of(cls, row, s):
+    if row is None:
+      return None
+    return cls(**{name: a[s] for name, a in row.items()})
 
 
 @dataclasses.dataclass(frozen=True)
 class _OneFOneB:
-  """The 1F1B loop on one stage ``s`` (a traced index). Stage ``s`` runs
-  forward microbatch ``f = t − s`` and backward ``b = t − 2S + 2 + s`` at
-  iteration ``t``; the latter's vjp is recomputed from the stage input it
-  stored in a ring of ``2S − 1`` slots. Stage 0 runs the loss up to the
-  stack for its input (and that part's vjp), the last stage the loss from
-  the stack's output (and its vjp)."""
+  """The training loop on one stage ``s`` (a traced index), driven by a
+  :class:`Table`: each iteration a forward slot (``F``: the stage's chunk
+  ``r`` on a microbatch, its input stored in a ring) and a backward slot
+  (``B``: the vjp of a chunk, recomputed from the stored input, on the
+  cotangent the next stage sent), either left out where no stage has one.
+  1F1B is ``v = 1`` chunk per stage; interleaved 1F1B ``v > 1``. Stage 0
+  runs the loss up to the stack for chunk 0's input (and that part's vjp),
+  the last stage the loss from the last chunk's output (and its vjp)."""
   layout: Any
   training: Any
   explain: Any
@@ -573,14 +743,27 @@ class _OneFOneB:
   batches: Sequence[Any]
   outer_diff: list
   rebuild_outer: Callable[..., Any]
-  fixed_diff: list
+  fixed: Any      # (R, K, ...): the stage's chunks
+  keys: Any
+  per_layer: Any
   program: Callable[..., Any]
   out_tree: Any
+  table: Table
 
-  @property
-  def window(self) -> int:
-    """The microbatch inputs a stage holds at most."""
-    return 2 * self.layout.stages - 1
+  def start(self, mutable):
+    """The loop's carry before the first iteration."""
+    fixed_diff, _ = _inexact(self.fixed)
+    return {'arrived': _garbage(self.fill), 'cotangent': _garbage(self.fill),
+            'inputs': _repeated(self.fill, self.table.inputs),
+            'states': _repeated(_at(mutable, 0), self.table.inputs),
+            'mutable': mutable, 'grads': _zeros(fixed_diff),
+            'outer_grads': _zeros(self.outer_diff), 'loss': jnp.zeros(()),
+            'outputs': _repeated(self.fill, self.layout.microbatches
+                                 if self.training.has_aux else 0)}
+
+  def result(self, carry):
+    return tuple(carry[k] for k in ('outputs', 'mutable', 'grads',
+                                    'outer_grads', 'loss'))
 
   def call(self, outer_diff, b, given):
     """The loss on microbatch ``b``, the stack answered by ``given``."""
@@ -604,9 +787,10 @@ class _OneFOneB:
     return (out[0] if self.training.has_aux else out) / (
         self.layout.microbatches)
 
-  def forward(self, x, fixed_diff, mutable):
-    return self.out_tree.unflatten(
-        self.program(*leaves_of((x, fixed_diff, mutable))))
+  def run(self, x, chunk, r, state, *extra):
+    """The stage's chunk ``r`` (whose variables are ``chunk``) on ``x``."""
+    args = (x, chunk, state, _at(self.keys, r), _at(self.per_layer, r))
+    return self.out_tree.unflatten(self.program(*leaves_of(args + extra)))
 
   def head_vjp(self, b, y):
     loss, pull = jax.vjp(lambda o, y: self.head(o, b, y), self.outer_diff, y)
@@ -616,72 +800,159 @@ class _OneFOneB:
     _, pull = jax.vjp(lambda o: self.embed(o, b), self.outer_diff)
     return pull(d_x)[0]
 
-  def forward_half(self, t, arrived, inputs, states, mutable, outputs):
-    """Forward of microbatch ``f = t − s`` (as in GPipe)."""
-    n_micro = self.layout.microbatches
-    f = t - self.s
-    f_ok = (f >= 0) & (f < n_micro)
-    f_at = jnp.clip(f, 0, n_micro - 1)
-    x = lax.cond(self.first, lambda: self.embed(self.outer_diff, f_at),
-                 lambda: arrived)
-    x = _select(f_ok, x, self.fill)
-    state = _at(mutable, 0)
-    y, updated = self.forward(x, self.fixed_diff, state)
-    inputs = _put(inputs, jnp.mod(f, self.window), x, f_ok)
-    states = _put(states, jnp.mod(f, self.window), state, f_ok)
-    mutable = tree_map(
-        lambda old, new: old.at[0].set(jnp.where(f_ok, new, old[0])),
-        mutable, updated)
+  @property
+  def final(self):
+    return self.layout.repeats - 1
+
+  @staticmethod
+  def extra_arguments(fill, fixed):
+    """The program's arguments after the chunk's own."""
+    del fill, fixed
+    return ()
+
+  def extra(self):
+    return self.extra_arguments(self.fill, self.fixed)
+
+  def forward_half(self, f, carry):
+    """Forward of chunk ``f.repeat`` on microbatch ``f.micro``: stage 0's
+    chunk 0 reads the loss up to the stack, the rest what arrived."""
+    x = lax.cond(self.first & (f.repeat == 0),
+                 lambda: self.embed(self.outer_diff, f.micro),
+                 lambda: carry['arrived'])
+    x = _select(f.ok, x, self.fill)
+    state = _at(carry['mutable'], f.repeat)
+    y, updated = self.run(x, _at(self.fixed, f.repeat), f.repeat, state,
+                          *self.extra())[:2]
+    carry = dict(carry, inputs=_put(carry['inputs'], f.slot, x, f.ok),
+                 states=_put(carry['states'], f.slot, state, f.ok))
+    carry['mutable'] = tree_map(
+        lambda old, new: old.at[f.repeat].set(
+            jnp.where(f.ok, new, old[f.repeat])), carry['mutable'], updated)
     if self.training.has_aux:
-      outputs = _put(outputs, f_at, y, f_ok & self.last)
-    return y, inputs, states, mutable, outputs
+      carry['outputs'] = _put(carry['outputs'], f.micro, y,
+                              f.ok & self.last & (f.repeat == self.final))
+    return y, carry
 
-  def backward_half(self, t, y, cotangent, inputs, states, grads,
-                    outer_grads, loss):
-    """Backward of microbatch ``b = t − (2S − 2 − s)``: on the last stage
-    the one just run forward, its cotangent from the loss; elsewhere the
-    cotangent the next stage sent."""
-    n_micro = self.layout.microbatches
-    b = t - (2 * self.layout.stages - 2) + self.s
-    b_ok = (b >= 0) & (b < n_micro)
-    b_at = jnp.clip(b, 0, n_micro - 1)
+  def cotangent_of(self, b, y, carry):
+    """``(cotangent, carry)`` of chunk ``b.repeat``'s output: on the last
+    stage's last chunk (whose forward ran this iteration, giving ``y``)
+    from the loss, with the loss and the head's gradients added; elsewhere
+    what the next stage sent."""
+    at_head = b.ok & self.last & (b.repeat == self.final)
     l_b, d_head, d_y = lax.cond(
-        self.last, self.head_vjp,
+        at_head, self.head_vjp,
         lambda b, y: (jnp.zeros(()), _zeros(self.outer_diff), _zeros(y)),
-        b_at, y)
-    ct = _select(self.last, d_y, cotangent)
-    ct = _select(b_ok, ct, _zeros(ct))
-    slot = jnp.mod(b, self.window)
-    stored = _at(states, slot)
-    _, pull = jax.vjp(lambda x, p: self.forward(x, p, stored)[0],
-                      _at(inputs, slot), self.fixed_diff)
-    d_x, d_fixed = pull(ct)
-    d_embed = lax.cond(self.first, self.embed_vjp,
-                       lambda b, d_x: _zeros(self.outer_diff), b_at, d_x)
-    grads = _added(grads, d_fixed, b_ok)
-    outer_grads = _added(outer_grads, d_head, b_ok & self.last)
-    outer_grads = _added(outer_grads, d_embed, b_ok & self.first)
-    loss = loss + jnp.where(b_ok & self.last, l_b, 0.)
-    return d_x, grads, outer_grads, loss
+        b.micro, y)
+    ct = _select(at_head, d_y, carry['cotangent'])
+    carry = dict(carry, loss=carry['loss'] + jnp.where(at_head, l_b, 0.),
+                 outer_grads=_added(carry['outer_grads'], d_head, at_head))
+    return _select(b.ok, ct, _zeros(ct)), carry
 
-  def iteration(self, carry, t, forwards, backwards):
-    (arrived, cotangent, inputs, states, mutable, grads, outer_grads, loss,
-     outputs) = carry
+  def embedded(self, b, d_x, carry):
+    """The gradients of the layers before the stack, on stage 0's chunk
+    0."""
+    at_embed = b.ok & self.first & (b.repeat == 0)
+    d_embed = lax.cond(at_embed, self.embed_vjp,
+                       lambda b, d_x: _zeros(self.outer_diff), b.micro, d_x)
+    return dict(carry, outer_grads=_added(carry['outer_grads'], d_embed,
+                                          at_embed))
+
+  def stored(self, slot, carry):
+    return _at(carry['inputs'], slot.slot), _at(carry['states'], slot.slot)
+
+  def backward_half(self, b, y, carry):
+    """Backward of chunk ``b.repeat`` on microbatch ``b.micro``: the vjp
+    by the input and the chunk's variables, recomputed from the stored
+    input."""
+    ct, carry = self.cotangent_of(b, y, carry)
+    x, state = self.stored(b, carry)
+    chunk_diff, rebuild = _inexact(_at(self.fixed, b.repeat))
+    _, pull = jax.vjp(
+        lambda x, p: self.run(x, rebuild(p), b.repeat, state)[0], x,
+        chunk_diff)
+    d_x, d_chunk = pull(ct)
+    carry = dict(carry, grads=_added_at(carry['grads'], b.repeat, d_chunk,
+                                        b.ok))
+    return d_x, self.embedded(b, d_x, carry)
+
+  def iteration(self, carry, rows, kinds):
     y = d_x = _garbage(self.fill)
-    if forwards:
-      y, inputs, states, mutable, outputs = self.forward_half(
-          t, arrived, inputs, states, mutable, outputs)
-    if backwards:
-      d_x, grads, outer_grads, loss = self.backward_half(
-          t, y, cotangent, inputs, states, grads, outer_grads, loss)
+    slots = {k: _Slot.of(rows.get(k), self.s) for k in ('F', 'B', 'W')}
+    # (Named scopes: benchmarks.pipeline reads which slots a loop holds.)
+    if 'F' in kinds:
+      with jax.named_scope('pipeline_slot_F'):
+        y, carry = self.forward_half(slots['F'], carry)
+    if 'B' in kinds:
+      with jax.named_scope('pipeline_slot_B'):
+        d_x, carry = self.backward_half(slots['B'], y, carry)
+    if 'W' in kinds:
+      with jax.named_scope('pipeline_slot_W'):
+        carry = self.weight_half(slots['W'], carry)
     n_stages = self.layout.stages
-    arrived = lax.ppermute(y, self.layout.axis, _neighbours(n_stages, 1))
-    cotangent = lax.ppermute(d_x, self.layout.axis,
-                             _neighbours(n_stages, -1))
-    return (arrived, cotangent, inputs, states, mutable, grads, outer_grads,
-            loss, outputs), None
+    carry = dict(
+        carry,
+        arrived=lax.ppermute(y, self.layout.axis, _neighbours(n_stages, 1)),
+        cotangent=lax.ppermute(d_x, self.layout.axis,
+                               _neighbours(n_stages, -1)))
+    return carry, None
+
+  def weight_half(self, w, carry):
+    raise NotImplementedError('only the zero-bubble loop has W slots')
+
+
+class _ZeroBubble(_OneFOneB):
+  """The zero-bubble (ZB-H1) loop: 1F1B's with the backward split. ``B``
+  (on the critical path) takes the vjp by the stage input only, with a
+  zero probe added to every layer's output whose cotangent it keeps (the
+  cotangent of each layer's output); ``W``, ``s`` iterations later on
+  stage ``s``, recomputes the layers with the gradient cut between them
+  and takes the vjp by the chunk's variables of every layer's output on
+  those cotangents: each layer's weight gradient, exactly the one 1F1B's
+  backward computes."""
+
+  def start(self, mutable):
+    n_layers = leaves_of(self.fixed)[0].shape[1]
+    cots = _repeated(_repeated(self.fill, n_layers), self.table.cotangents)
+    return dict(super().start(mutable), cots=cots)
+
+  @staticmethod
+  def extra_arguments(fill, fixed):
+    """Zero probes on every layer's output, and whether to cut the
+    gradient between layers (no)."""
+    return (_repeated(fill, leaves_of(fixed)[0].shape[1]),
+            jnp.zeros((), bool))
+
+  def probes(self):
+    return self.extra()[0]
+
+  def backward_half(self, b, y, carry):
+    ct, carry = self.cotangent_of(b, y, carry)
+    x, state = self.stored(b, carry)
+    chunk = _at(self.fixed, b.repeat)
+    _, pull = jax.vjp(
+        lambda x, probes: self.run(x, chunk, b.repeat, state, probes,
+                                   jnp.zeros((), bool))[0], x, self.probes())
+    d_x, d_layers = pull(ct)
+    carry = dict(carry, cots=_put(carry['cots'], b.cot, d_layers, b.ok))
+    return d_x, self.embedded(b, d_x, carry)
+
+  def weight_half(self, w, carry):
+    x, state = self.stored(w, carry)
+    chunk_diff, rebuild = _inexact(_at(self.fixed, w.repeat))
+    _, pull = jax.vjp(
+        lambda p: self.run(x, rebuild(p), w.repeat, state, self.probes(),
+                           jnp.ones((), bool))[2], chunk_diff)
+    d_chunk, = pull(_at(carry['cots'], w.cot))
+    return dict(carry, grads=_added_at(carry['grads'], w.repeat, d_chunk,
+                                       w.ok))
 
 
 def _added(acc, d, ok):
   """``acc + d`` where ``ok``."""
   return tree_map(lambda a, g: a + jnp.where(ok, g, jnp.zeros_like(g)), acc, d)
+
+
+def _added_at(acc, r, d, ok):
+  """``acc`` with ``d`` added to its entry ``r`` where ``ok``."""
+  return tree_map(
+      lambda a, g: a.at[r].add(jnp.where(ok, g, jnp.zeros_like(g))), acc, d)

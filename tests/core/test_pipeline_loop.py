@@ -21,6 +21,7 @@ class Layout:
   axis: str = 'stage'
   remat_iterations: bool = False
   per_microbatch: tuple = ()
+  split_backward: bool = False
 
   @property
   def iterations(self):
@@ -182,3 +183,102 @@ def test_one_forward_one_backward_checks_the_stack_input_per_microbatch():
                      match=r'^input_shape: \(\(8, 3\), \(2, 3\)\)'):
     run(Layout(4), ({'params': {'w': params['stack']}},), X, (),
         training=training)
+
+
+@pytest.mark.parametrize('repeats,split', [(2, False), (1, True), (2, True)])
+def test_interleaved_and_split_backward_give_the_gradients(repeats, split):
+  """Interleaved 1F1B (two chunks a stage) and the zero-bubble split of
+  the backward, on one stage: the loss's gradients, as 1F1B's."""
+  params = {'in': jnp.eye(WIDTH) * 0.5, 'stack': weights(),
+            'out': jnp.ones((WIDTH, 1))}
+  target = jnp.arange(ROWS, dtype=jnp.float32)[:, None] / ROWS
+
+  def plain(params):
+    y = sequential(params['stack'], X @ params['in'])
+    return jnp.mean((y @ params['out'] - target) ** 2)
+
+  def pipelined(params):
+    training = Training(params, [X, target], [True, True])
+    layout = Layout(4, repeats=repeats, split_backward=split)
+    _, _, loss = run(layout, ({'params': {'w': params['stack']}},),
+                     X @ params['in'], (), training=training)
+    return loss
+
+  loss, grads = jax.jit(jax.value_and_grad(pipelined))(params)
+  ref_loss, ref = jax.value_and_grad(plain)(params)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  for name in params:
+    np.testing.assert_allclose(grads[name], ref[name], rtol=1e-5, atol=1e-6)
+
+
+def when(kind, stage):
+  """``{(repeat, microbatch): iteration}`` of one kind of slot on a
+  stage."""
+  rows = np.nonzero(kind['ok'][:, stage])[0]
+  return {(int(kind['repeat'][t, stage]), int(kind['micro'][t, stage])): t
+          for t in rows}
+
+
+@pytest.mark.parametrize('stages,micro,repeats,split', [
+    (1, 3, 1, False), (2, 3, 1, False), (4, 8, 1, False), (4, 8, 2, False),
+    (2, 4, 3, False), (4, 4, 1, True), (4, 8, 2, True), (3, 6, 2, True)])
+def test_training_table_keeps_every_dependency(stages, micro, repeats, split):
+  """Every (chunk, microbatch) once per kind and stage; a chunk's forward
+  after the previous chunk's (one stage back, or the last stage's previous
+  chunk), its backward after the next one's and after its own forward, W
+  after B; stored inputs and cotangents in slots no other item holds at
+  the time; idle share as Pipeline.bubble_fraction says."""
+  table = pipeline_loop.training_table(stages, micro, repeats, split)
+  s_, v = stages, repeats
+  f = [when(table.kinds['F'], s) for s in range(s_)]
+  b = [when(table.kinds['B'], s) for s in range(s_)]
+  work = {(r, m) for r in range(v) for m in range(micro)}
+  for s in range(s_):
+    assert set(f[s]) == set(b[s]) == work
+    for (r, m), t in f[s].items():
+      before = f[s - 1].get((r, m)) if s else f[-1].get((r - 1, m))
+      assert before is None if (s, r) == (0, 0) else before < t
+      assert b[s][r, m] >= t
+      after = b[s + 1].get((r, m)) if s < s_ - 1 else b[0].get((r + 1, m))
+      if (s, r) != (s_ - 1, v - 1):
+        assert after < b[s][r, m]
+      else:
+        assert b[s][r, m] == t  # the loss's cotangent, same iteration
+  if split:
+    w = [when(table.kinds['W'], s) for s in range(s_)]
+    for s in range(s_):
+      assert set(w[s]) == work
+      assert all(w[s][k] >= b[s][k] for k in work)
+  for s in range(s_):
+    last = 'W' if split else 'B'
+    spans = [(f[s][k], when(table.kinds[last], s)[k],
+              table.kinds['F']['slot'][f[s][k], s]) for k in work]
+    for k in work:  # B (and W) read the slot F wrote
+      assert table.kinds[last]['slot'][when(table.kinds[last], s)[k], s] == (
+          table.kinds['F']['slot'][f[s][k], s])
+    for t0, t1, slot in spans:
+      assert not any(slot == other and t0 <= u1 and u0 <= t1
+                     for u0, u1, other in spans if (u0, u1) != (t0, t1))
+  assert table.inputs <= 2 * v * s_ - 1
+  assert table.iterations == micro * v + v * s_ + s_ - 2
+  mode = 'zero_bubble' if split else '1f1b'
+  if stages > 1 and micro % stages == 0:
+    from liftmods.pipeline import Pipeline  # pylint: disable=g-import-not-at-top
+    pipe = Pipeline(stages, micro, repeats, mode=mode)
+    assert table.idle_fraction() == pytest.approx(pipe.bubble_fraction)
+
+
+def test_one_f_one_b_table_is_the_formula():
+  """v = 1: forward ``t − s``, backward ``t − 2S + 2 + s`` (the 1F1B loop
+  before it read a table), the ring no larger than ``2S − 1``."""
+  stages, micro = 4, 16
+  table = pipeline_loop.training_table(stages, micro)
+  t = np.arange(table.iterations)[:, None]
+  s = np.arange(stages)[None, :]
+  for kind, item in (('F', t - s), ('B', t - 2 * stages + 2 + s)):
+    ok = (item >= 0) & (item < micro)
+    np.testing.assert_array_equal(table.kinds[kind]['ok'], ok)
+    np.testing.assert_array_equal(
+        np.where(ok, table.kinds[kind]['micro'], -1), np.where(ok, item, -1))
+  assert table.inputs == 2 * stages - 1
+  assert [k for _, _, k in table.phases()] == [('F',), ('F', 'B'), ('B',)]

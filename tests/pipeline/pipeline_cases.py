@@ -624,13 +624,11 @@ class TwoStacks(nn.Module):
 
 
 def test_1f1b_errors_name_the_problem():
-  with pytest.raises(ValueError, match=r"mode='1f1b' runs repeats=1"):
-    nn.Pipeline(stages=2, microbatches=2, repeats=2, mode='1f1b')
   with pytest.raises(ValueError, match='remat_iterations applies to'):
     nn.Pipeline(stages=2, microbatches=2, remat_iterations=True,
                 mode='1f1b')
-  with pytest.raises(ValueError, match=r"Pipeline.mode must be 'gpipe' or "
-                     r"'1f1b'; got '1F1B'"):
+  with pytest.raises(ValueError, match=r"Pipeline.mode must be one of "
+                     r"'gpipe', '1f1b', 'zero_bubble'; got '1F1B'"):
     nn.Pipeline(stages=2, microbatches=2, mode='1F1B')
   x, target = model_batch(8)
   plain = Model(Block, 4, None)
@@ -725,3 +723,116 @@ def test_lm_train_step_pipelined_over_four_stages(mode):
   np.testing.assert_allclose(demo_loss_p, demo_loss, rtol=1e-6)
   for a, b in zip(leaves(demo_p['params']), leaves(demo['params'])):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-7)
+
+
+def to_pipeline(pipe, params):
+  """The unpipelined model's params with the stack's in stored order."""
+  return {**params, 'blocks': pipe.to_pipeline_layout(params['blocks'])}
+
+
+@pytest.mark.parametrize('mode,stages,micro,repeats,data', [
+    ('1f1b', 2, 2, 2, 1), ('1f1b', 4, 4, 2, 2), ('zero_bubble', 2, 4, 1, 1),
+    ('zero_bubble', 4, 4, 2, 1),
+    pytest.param('1f1b', 4, 8, 3, 1, marks=_MORE),
+    pytest.param('zero_bubble', 4, 8, 1, 2, marks=_MORE)])
+def test_interleaved_and_zero_bubble_match_unpipelined(mode, stages, micro,
+                                                       repeats, data):
+  """Interleaved 1F1B (repeats chunks per stage) and zero-bubble: the loss
+  and every gradient equal the unpipelined model's to float32 rounding
+  (Block gives NaN on what an idle slot holds)."""
+  length = 2 * stages * repeats
+  model, pipe = one_f_one_b(stages, micro, length=length, repeats=repeats)
+  model = dataclasses.replace(model, pipeline=dataclasses.replace(
+      pipe, mode=mode))
+  plain = Model(Block, length, None)
+  x, target = model_batch(32)
+  params = init(plain, x)['params']
+  loss_ref, grads_ref = jax.jit(jax.value_and_grad(model_loss(plain)))(
+      params, x, target)
+  with jax.set_mesh(mesh_of(stages, data)):
+    loss, grads = jax.jit(nn.pipeline.value_and_grad(model_loss(model)))(
+        to_pipeline(pipe, params), x, target)
+  np.testing.assert_allclose(loss, loss_ref, rtol=OUT_RTOL)
+  assert_grads_close(grads, to_pipeline(pipe, grads_ref))
+
+
+def test_zero_bubble_counts_each_microbatch_once_and_uses_gpipe_keys():
+  model, pipe = one_f_one_b(2, 4, block=Counted, length=8, repeats=2,
+                            per_microbatch=('counts',))
+  model = dataclasses.replace(model, pipeline=dataclasses.replace(
+      pipe, mode='zero_bubble'))
+  x, target = model_batch(16)
+  variables = init(model, x)
+
+  def loss_fn(params, x, target):
+    y, updated = model.apply({'params': params,
+                              'counts': variables['counts']}, x,
+                             mutable=['counts'])
+    return jnp.mean((y - target) ** 2), updated
+
+  with jax.set_mesh(mesh_of(2, 1)):
+    (_, updated), _ = jax.jit(nn.pipeline.value_and_grad(
+        loss_fn, has_aux=True))(variables['params'], x, target)
+  np.testing.assert_array_equal(updated['counts']['blocks']['calls'],
+                                np.full(8, 1 + 4))
+  dropped, pipe = one_f_one_b(2, 4, block=Dropped)
+  zb = dataclasses.replace(dropped, pipeline=dataclasses.replace(
+      pipe, mode='zero_bubble'))
+  gpipe = dataclasses.replace(dropped, pipeline=dataclasses.replace(
+      pipe, mode='gpipe'))
+  params = init(Model(Dropped, 4, None), x)['params']
+
+  def loss_of(model):
+    def loss_fn(params, x, target):
+      y = model.apply({'params': params}, x,
+                      rngs={'dropout': jax.random.key(7)})
+      return jnp.mean((y - target) ** 2)
+    return loss_fn
+
+  with jax.set_mesh(mesh_of(2, 1)):
+    loss, grads = jax.jit(nn.pipeline.value_and_grad(loss_of(zb)))(
+        params, x, target)
+    loss_g, grads_g = jax.jit(jax.value_and_grad(loss_of(gpipe)))(
+        params, x, target)
+  np.testing.assert_allclose(loss, loss_g, rtol=OUT_RTOL)
+  assert_grads_close(grads, grads_g)
+
+
+def test_interleaving_errors_name_the_constraint():
+  with pytest.raises(ValueError, match=r'microbatches must be a multiple of '
+                     r'stages; got microbatches=6, stages=4\. Use '
+                     r'microbatches=8, or repeats=1'):
+    nn.Pipeline(stages=4, microbatches=6, repeats=2, mode='1f1b')
+  with pytest.raises(ValueError, match=r"mode='zero_bubble' already "
+                     'recomputes'):
+    nn.Pipeline(stages=2, microbatches=2, remat_iterations=True,
+                mode='zero_bubble')
+
+
+@pytest.mark.parametrize('mode,repeats', [('1f1b', 1), ('1f1b', 2),
+                                          ('zero_bubble', 1)])
+def test_pictures_draw_the_table_the_loop_runs(monkeypatch, mode, repeats):
+  """benchmarks.pipeline.timeline (what docs/img's pictures show) is the
+  table the training loop read while it ran, cell for cell."""
+  from benchmarks import pipeline as bench  # pylint: disable=g-import-not-at-top
+  from liftmods.core import pipeline_loop  # pylint: disable=g-import-not-at-top
+  read = []
+  original = pipeline_loop.training_table
+  monkeypatch.setattr(pipeline_loop, 'training_table',
+                      lambda *a: read.append(original(*a)) or read[-1])
+  model, pipe = one_f_one_b(2, 4, length=4 * repeats, repeats=repeats)
+  pipe = dataclasses.replace(pipe, mode=mode)
+  model = dataclasses.replace(model, pipeline=pipe)
+  x, target = model_batch(8)
+  params = init(Model(Block, 4 * repeats, None), x)['params']
+  with jax.set_mesh(mesh_of(2, 1)):
+    jax.make_jaxpr(nn.pipeline.value_and_grad(model_loss(model)))(
+        params, x, target)
+  table, = read
+  blocks, _ = bench.timeline(pipe)
+  drawn = {(kind, t, s): (r, m) for s, _, _, kind, r, m, t in blocks}
+  ran = {(kind, t, s): (int(cells['repeat'][t, s]), int(cells['micro'][t, s]))
+         for kind, cells in table.kinds.items()
+         for t, s in zip(*np.nonzero(cells['ok']))}
+  assert drawn == ran
+  assert len(ran) == len(table.kinds) * 2 * 4 * repeats
