@@ -27,6 +27,15 @@ Runs on 8 simulated CPU devices (set before JAX starts)::
     python -m benchmarks.pipeline --sections=tpu --topology=v5e:4x4 \
         --hidden=2048 --layers=32 --batch=512
 
+- ``figures``: per schedule (GPipe, circular, 1F1B, interleaved 1F1B,
+  zero-bubble) and M: the idle fraction measured (slots read from the
+  traced program, work counted by the layers) against the formula, the
+  train step's temp MiB, compile seconds, step time and the largest
+  gradient difference from the unpipelined model.
+- ``pictures``: ``docs/img/pipeline_<schedule>.png``, a timeline per stage
+  of each schedule drawn from :func:`timeline` (for the training loops
+  the table the loop reads, ``Pipeline.table()``).
+
 No MaxText figure is quoted: its pipeline uses the same iteration count
 ``M·R + S - 1`` for its GPipe/circular schedule, so the ``bubble`` rows are
 what that formula gives for the same S, M, R.
@@ -39,6 +48,7 @@ if __name__ == '__main__':
                              ' --xla_force_host_platform_device_count=8')
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import dataclasses
 import math
 import statistics
 import time
@@ -275,12 +285,13 @@ class Model(nn.Module):
   hidden: int
   length: int
   pipeline: object = None
+  count: bool = False
 
   @nn.compact
   def __call__(self, x):
     x = nn.Dense(self.hidden)(x)
     x = nn.Stack(Block, self.length, pipeline=self.pipeline)(
-        self.hidden, name='blocks')(x)
+        self.hidden, count=self.count, name='blocks')(x)
     return nn.Dense(x.shape[-1])(nn.LayerNorm()(x))
 
 
@@ -551,6 +562,206 @@ def tpu_rows():
           f'{factor:.3f}x the unpipelined step')
 
 
+# -- every schedule: figures and pictures ------------------------------------------
+
+FIGURE_SCHEDULES = [('gpipe', {}), ('circular', dict(repeats=2)),
+                    ('1f1b', dict(mode='1f1b')),
+                    ('1f1b interleaved', dict(mode='1f1b', repeats=2)),
+                    ('zero_bubble', dict(mode='zero_bubble'))]
+flags.DEFINE_list('figure_micro', ['8', '16', '32', '64'],
+                  'M values for the figures section')
+flags.DEFINE_string('picture_dir', 'docs/img', 'where pictures go')
+
+
+def in_loop(pipe):
+  """Whether the schedule computes the gradients in its own loop."""
+  return pipe.mode in nn.pipeline.TRAINED
+
+
+def timeline(pipe):
+  """``(blocks, length)``: what each stage runs when, as the code runs
+  it. A block is ``(stage, start, width, kind, repeat, microbatch,
+  iteration)``; time is counted in slots of one forward each (an input-
+  or weight-gradient slot costs one, a whole backward two). The training
+  loops (1F1B, interleaved, zero-bubble) come from ``pipe.table()``, the
+  table the loop reads, its iterations laid out phase by phase; GPipe and
+  circular from ``pipe.schedule()`` (the forward loop's ``j = t − s``),
+  then ``jax.grad``'s backward loop, the forward's iterations in
+  reverse."""
+  stages, micro = pipe.stages, pipe.microbatches
+  blocks, clock = [], 0
+  if in_loop(pipe):
+    table = pipe.table()
+    cost = {'F': 1, 'B': 1 if table.split else 2, 'W': 1}
+    for start, stop, kinds in table.phases():
+      for t in range(start, stop):
+        for kind in kinds:
+          cells = table.kinds[kind]
+          blocks += [(s, clock, cost[kind], kind, int(cells['repeat'][t, s]),
+                      int(cells['micro'][t, s]), t)
+                     for s in range(stages) if cells['ok'][t, s]]
+          clock += cost[kind]
+    return blocks, clock
+  items = pipe.schedule()
+  n = len(items)
+  for t in range(2 * n):
+    forward = t < n
+    row = items[t if forward else 2 * n - 1 - t]
+    blocks += [(s, clock, 1 if forward else 2, 'F' if forward else 'B',
+                int(j) // micro, int(j) % micro, t)
+               for s, j in enumerate(row) if j >= 0]
+    clock += 1 if forward else 2
+  return blocks, clock
+
+
+def draw(pipe, label, path):
+  """One schedule's timeline per stage as a PNG (matplotlib)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
+  blocks, length = timeline(pipe)
+  colors = {'F': ('#9ecae1', '#3182bd'), 'B': ('#a1d99b', '#31a354'),
+            'W': ('#fdd0a2', '#e6550d')}
+  figure, axes = pyplot.subplots(figsize=(max(6, length * 0.16),
+                                          0.45 * pipe.stages + 0.9))
+  for stage, start, width, kind, repeat, micro, _ in blocks:
+    shade = colors[kind][min(repeat, 1)]
+    axes.broken_barh([(start, width)], (stage - 0.4, 0.8), facecolors=shade,
+                     edgecolors='white', linewidth=0.5)
+    axes.text(start + width / 2, stage, str(micro), ha='center',
+              va='center', fontsize=6)
+  axes.set_xlim(0, length)
+  axes.set_ylim(pipe.stages - 0.5, -0.5)
+  axes.set_yticks(range(pipe.stages),
+                  [f'stage {s}' for s in range(pipe.stages)])
+  axes.set_xlabel('time (one forward = 1; blank = idle); forward blue, '
+                  'backward (B) green, weight gradient (W) orange, darker: '
+                  'second chunk; numbers: microbatches', fontsize=7)
+  axes.set_title(f'{label}: S={pipe.stages}, M={pipe.microbatches}, '
+                 f'repeats={pipe.repeats}; idle {pipe.bubble_fraction:.3f}',
+                 fontsize=9)
+  figure.tight_layout()
+  figure.savefig(path, dpi=110)
+  pyplot.close(figure)
+
+
+def pictures():
+  """docs/img/pipeline_<schedule>.png for every schedule, S=4, M=8."""
+  os.makedirs(FLAGS.picture_dir, exist_ok=True)
+  for label, options in FIGURE_SCHEDULES:
+    pipe = nn.Pipeline(stages=4, microbatches=8, **options)
+    path = os.path.join(FLAGS.picture_dir,
+                        f'pipeline_{label.replace(" ", "_")}.png')
+    draw(pipe, label, path)
+    print(f'  {path}')
+
+
+def scopes_in(jaxpr, found):
+  """The ``pipeline_slot_*`` scopes of every equation in ``jaxpr``."""
+  for eqn in jaxpr.eqns:
+    stack = str(eqn.source_info.name_stack)
+    found.update(k for k in 'FBW' if f'pipeline_slot_{k}' in stack)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      scopes_in(sub, found)
+  return found
+
+
+def slot_loops(jaxpr):
+  """``{kind: iterations}`` of the schedule's loops (the scans at the top
+  of the first shard_map that permute), by the slots their bodies hold."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'shard_map':
+      counts = {}
+      for e in eqn.params['jaxpr'].eqns:
+        if e.primitive.name == 'scan' and permutes(e.params['jaxpr'].jaxpr):
+          for kind in scopes_in(e.params['jaxpr'].jaxpr, set()) or {'F'}:
+            counts[kind] = counts.get(kind, 0) + e.params['length']
+      return counts
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found = slot_loops(sub)
+      if found:
+        return found
+  return {}
+
+
+def measured_idle(pipe, hidden, rows):
+  """Idle share of the slot time, the slots read from the traced train
+  step's loops, the work done counted by the layers (each counts the
+  microbatches its forward runs); backward and weight-gradient work is
+  one per forward (the gradients are checked against the unpipelined
+  model)."""
+  model = Model(hidden, 2 * pipe.stages,
+                dataclasses.replace(pipe, per_microbatch=('counts',)),
+                count=True)
+  x = jax.random.normal(jax.random.key(1), (pipe.microbatches * rows, hidden))
+  variables = Model(hidden, 2 * pipe.stages, count=True).init(
+      jax.random.key(0), x)
+  variables = {**variables, 'params': {**variables['params'], 'blocks':
+      pipe.to_pipeline_layout(variables['params']['blocks'])}}
+
+  def loss_fn(params, x):
+    y, counts = model.apply({'params': params,
+                             'counts': variables['counts']}, x,
+                            mutable=['counts'])
+    return jnp.mean((y - x) ** 2), counts
+
+  grad = (nn.pipeline.value_and_grad if in_loop(pipe) else
+          jax.value_and_grad)(loss_fn, has_aux=True)
+  with jax.set_mesh(stage_mesh(pipe.stages)):
+    slots = slot_loops(jax.make_jaxpr(grad)(variables['params'], x).jaxpr)
+    (_, counts), _ = jax.jit(grad)(variables['params'], x)
+  if not in_loop(pipe):  # jax.grad runs as many backward iterations
+    slots = {'F': slots['F'], 'B': slots['F']}
+  runs = int((counts['counts']['blocks']['calls'] - 1).sum())
+  per_slot = 2 * pipe.stages // pipe.stages // pipe.repeats  # layers
+  active = runs // per_slot
+  cost = {'F': 1, 'B': 1 if pipe.split_backward else 2, 'W': 1}
+  total = sum(cost[k] * n * pipe.stages for k, n in slots.items())
+  busy = sum(cost[k] * active for k in slots)
+  return 1 - busy / total
+
+
+def schedule_figures():
+  """Per schedule and M at S=4: idle measured vs formula, temp MiB, step
+  ms, largest gradient difference from the unpipelined model."""
+  stages, hidden, rows = 4, FLAGS.hidden, FLAGS.micro_rows
+  length = 2 * stages
+  print(f'\nEvery schedule, S={stages}, L={length}, width={hidden}, {rows} '
+        f'rows per microbatch, {jax.device_count()} CPU devices; train step '
+        '= value and gradients + SGD')
+  print(f'  {"schedule":<18}{"M":>4}{"idle":>8}{"formula":>9}{"temp MiB":>10}'
+        f'{"compile s":>10}{"step ms":>9}{"grad diff":>11}', flush=True)
+  mesh = stage_mesh(stages)
+  for micro in map(int, FLAGS.figure_micro):
+    x = jax.random.normal(jax.random.key(1), (micro * rows, hidden))
+    plain = Model(hidden, length)
+    params = jax.jit(plain.init)(jax.random.key(0), x)['params']
+    _, ref = jax.jit(jax.value_and_grad(model_loss(plain)))(params, x)
+    for label, options in FIGURE_SCHEDULES:
+      pipe = nn.Pipeline(stages=stages, microbatches=micro, **options)
+      model = Model(hidden, length, pipe)
+      mine = {**params, 'blocks': pipe.to_pipeline_layout(params['blocks'])}
+      step = sgd_step(model, in_loop(pipe))
+      idle = measured_idle(pipe, 16, 2)
+      with jax.set_mesh(mesh):
+        start = time.perf_counter()
+        compiled = jax.jit(step).lower(mine, x).compile()
+        comp = time.perf_counter() - start
+        grad = (nn.pipeline.value_and_grad if in_loop(pipe) else
+                jax.value_and_grad)(model_loss(model))
+        _, grads = jax.jit(grad)(mine, x)
+        jax.block_until_ready(compiled(mine, x))
+        seconds = median_seconds(lambda: compiled(mine, x), repeats=3)
+      want = {**ref, 'blocks': pipe.to_pipeline_layout(ref['blocks'])}
+      diff = max(float(jnp.abs(a - b).max() / jnp.abs(b).max())
+                 for a, b in zip(jax.tree_util.tree_leaves(grads),
+                                 jax.tree_util.tree_leaves(want)))
+      temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
+      print(f'  {label:<18}{micro:>4}{idle:>8.3f}{pipe.bubble_fraction:>9.3f}'
+            f'{temp:>10.2f}{comp:>10.2f}{seconds * 1e3:>9.1f}{diff:>11.1e}',
+            flush=True)
+
+
 def main(argv):
   del argv
   print(f'JAX {jax.__version__}, {jax.device_count()} '
@@ -558,7 +769,8 @@ def main(argv):
   sections = {'bubble': bubble, 'memory': memory, 'compile': compile_times,
               'tpu': tpu_rows, 'placement': placement,
               'schedules': activation_memory, 'schedule_time': schedule_times,
-              'differences': differences, 'tpu_schedules': tpu_schedules}
+              'differences': differences, 'tpu_schedules': tpu_schedules,
+              'figures': schedule_figures, 'pictures': pictures}
   for name in FLAGS.sections:
     sections[name]()
 
