@@ -194,7 +194,8 @@ def main():
 
   with jax.set_mesh(mesh):
     variables = jax.jit(ring.init)(jax.random.key(0), x)
-    assert max_abs_diff(variables, full.init(jax.random.key(0), x)) == 0.0
+    assert max_abs_diff(
+        variables, jax.jit(full.init)(jax.random.key(0), x)) == 0.0
     y_ring = jax.jit(ring.apply)(variables, x)
     g_ring = jax.jit(jax.grad(functools.partial(loss, ring),
                               argnums=(0, 1)))(variables, x)
