@@ -332,9 +332,10 @@ def test_init_sharded_puts_each_stage_on_its_devices():
     assert (layers.start, layers.stop) == (4 * stage, 4 * stage + 4)
     # stage s holds layers (r * 4 + s) * 2 + l of the unpipelined stack
     natural = [(r * 4 + stage) * 2 + l for r in range(2) for l in range(2)]
-    np.testing.assert_array_equal(
+    # (jaxlib 0.12's sharded init rounds apart in the last bit, as above.)
+    np.testing.assert_allclose(
         np.asarray(shard.data), np.asarray(plain['params']['Dense_0'][
-            'kernel'])[natural][:, :, shard.index[2]])
+            'kernel'])[natural][:, :, shard.index[2]], rtol=1e-6, atol=0)
   with jax.set_mesh(mesh):
     y = jax.jit(pipelined.apply)({'params': variables['params']}, x)
   # Here the kernels' 'mlp' dimension is split over 'data', so each layer's
