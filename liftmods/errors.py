@@ -530,7 +530,10 @@ class ShardingDivisibilityError(ShardingError):
 class ShardMapSpecError(ShardingError):
   """A variable crosses ``nn.shard_map`` with no spec it can be cut by."""
 
-  def __init__(self, where, reason=None):
+  def __init__(self, where, reason=None, crossing=True):
+    if not crossing:  # said of the map's outputs
+      super().__init__(f'{where}: {reason}.')
+      return
     reason = reason or (
         'it has no partitioning metadata (nn.with_partitioning / '
         'nn.with_logical_partitioning) and variable_specs gives its '

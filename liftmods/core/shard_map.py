@@ -61,6 +61,16 @@ __all__ = ['shard_map']
 SpecRule = Any  # None | PartitionSpec | Callable[[str, tuple, Any], PartitionSpec]
 
 
+_NOT_REPLICATED = (
+    'an output (a variable, or the result) that its spec declares '
+    'replicated along a mesh axis can differ between the shards along it. '
+    "Usually a variable was initialised with rng keys split over an axis "
+    'it is replicated along: split the sequence over the axes the variable '
+    "is sharded on only (split_rngs={'params': 'model'}) or not at all "
+    '(False); else an out_specs entry leaves out an axis its value varies '
+    "over. JAX's message is chained below")
+
+
 def _box_spec(box) -> PartitionSpec:
   return box.get_partition_spec()
 
@@ -104,8 +114,23 @@ class _Specs:
     """Raises when ``spec`` names an axis the mesh lacks or does not divide
     ``leaf``'s (global) shape."""
     value = leaf.value if _is_box(leaf) else leaf
-    shape = getattr(value, 'shape', ())
-    where = self.where(*where_args)
+    self.check_at(spec, getattr(value, 'shape', ()), self.where(*where_args))
+
+  def arguments(self, in_specs, args):
+    """``check_at`` for every array of ``args`` under its spec."""
+    for i, (spec, arg) in enumerate(zip(in_specs, args)):
+      pairs = jax.tree_util.tree_map(
+          lambda s, sub: [(s, path, x) for path, x in
+                          jax.tree_util.tree_flatten_with_path(sub)[0]],
+          spec, arg, is_leaf=_is_spec)
+      for s, path, x in jax.tree_util.tree_leaves(
+          pairs, is_leaf=lambda p: isinstance(p, tuple) and len(p) == 3):
+        if s is not None and hasattr(x, 'shape'):
+          self.check_at(s, x.shape, f'shard_map at {self.scopes[0].path_text}'
+                        f': argument {i + 1}{jax.tree_util.keystr(path)}')
+
+  def check_at(self, spec, shape, where):
+    """``check`` of an array of ``shape``, said of ``where``."""
     sizes = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))
     for dim, entry in enumerate(spec):
       axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
@@ -273,6 +298,7 @@ def shard_map(fn: Callable[..., Any], mesh: Any, in_specs: Any,
       y = fn(scope, *args)
       return y, _rebox(repack_fn(scope), boxed_in)
 
+    specs.arguments(tuple(in_specs), args)
     all_in_specs = (var_specs, PartitionSpec(), tuple(in_specs))
     inputs = (plain_in, rng_groups, args)
     if _explicit(the_mesh, manual):
@@ -291,6 +317,13 @@ def shard_map(fn: Callable[..., Any], mesh: Any, in_specs: Any,
       _, out_shapes = jax.eval_shape(lambda: run(PartitionSpec(), False))
       restore_scopes(scopes, before)
       out_var_specs = specs.tree(out_shapes, rules, check=False)
-    return run(out_var_specs, check_vma)
+    try:
+      return run(out_var_specs, check_vma)
+    except ValueError as e:
+      if 'replicat' not in str(e):
+        raise
+      raise errors.ShardMapSpecError(
+          f'shard_map at {scopes[0].path_text}', _NOT_REPLICATED,
+          crossing=False) from e
 
   return pack(inner, filters, filters, rng_filters, name='shard_map')

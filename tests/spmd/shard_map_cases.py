@@ -243,3 +243,26 @@ def test_errors_name_the_module_and_the_variable():
   assert message.startswith('shard_map at /proj: variable "bias" of '
                             'collection "params" cannot cross')
   assert 'variable_specs={collection: PartitionSpec(...)}' in message
+
+
+def test_a_replicated_variable_made_with_split_keys_is_named():
+  model = nn.shard_map(nn.Dense, in_specs=P('data'), out_specs=P('data'),
+                       variable_specs={'params': P()},
+                       split_rngs={'params': True})(3)
+  with jax.set_mesh(mesh_of('auto')):
+    with pytest.raises(errors.ShardMapSpecError) as info:
+      jax.jit(model.init)(KEY, X)
+  message = str(info.value)
+  assert message.startswith('shard_map at /: an output (a variable, or the '
+                            'result) that its spec declares replicated')
+  assert "split_rngs={'params': 'model'}" in message
+  assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_an_argument_that_does_not_divide_is_named():
+  with jax.set_mesh(mesh_of('auto')), nn.logical_axis_rules(RULES):
+    with pytest.raises(errors.ShardingDivisibilityError) as info:
+      jax.jit(sharded_column().init)(KEY, jnp.ones((6, 6)))
+  assert str(info.value).startswith(
+      'shard_map at /: argument 1: dimension 0 of shape (6, 6) is sharded as '
+      "'data' over 4 devices")
