@@ -227,12 +227,13 @@ def make_train_step(model: TransformerLM, optimizer, seed: int, *,
                          rngs={'dropout': key})
     return cross_entropy(logits, batch[:, 1:])
 
-  # A stack pipelined with the 1F1B schedule runs its backward pass in its
-  # own loop, so the loss and gradients come from nn.pipeline's
-  # value_and_grad (the key is a scalar: every microbatch gets it whole).
+  # A stack pipelined with a training schedule (1F1B, interleaved 1F1B,
+  # zero-bubble) runs its backward pass in its own loop, so the loss and
+  # gradients come from nn.pipeline's value_and_grad (the key is a scalar:
+  # every microbatch gets it whole).
   pipe = getattr(model.config, 'pipeline', None)
-  grad_fn = (nn.pipeline.value_and_grad if getattr(pipe, 'mode', None) ==
-             '1f1b' else jax.value_and_grad)(loss_fn)
+  grad_fn = (nn.pipeline.value_and_grad if getattr(pipe, 'mode', None) in
+             nn.pipeline.TRAINED else jax.value_and_grad)(loss_fn)
 
   def step(state, batch):
     key = jax.random.fold_in(dropout_key, state['step'])
