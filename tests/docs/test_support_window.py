@@ -79,3 +79,21 @@ def test_check_env_passes_here_and_names_what_is_missing():
   assert bare.returncode == 1, bare.stdout + bare.stderr
   assert 'missing for bench: jax jaxlib numpy msgpack flax absl-py optax' in (
       bare.stdout)
+
+
+def test_make_runs_in_an_existing_environment_with_an_empty_venv():
+  """``VENV=`` (a GPU image's own Python): make installs nothing and runs
+  the interpreter given as PY; here the test's own, which has everything."""
+  dry = subprocess.run(
+      ['make', '-n', 'bench-accel', 'VENV=', f'PY={sys.executable}',
+       'ACCEL_REQUIRE=gpu'], cwd=ROOT, capture_output=True, text=True,
+      check=True).stdout
+  assert '-m venv' not in dry and 'pip install' not in dry, dry
+  assert (f'{sys.executable} -m benchmarks.accelerator '
+          '--out_dir=bench-out/accel \\\n  --require_backend=gpu') in dry, dry
+  result = subprocess.run(
+      ['make', '--no-print-directory', 'env-check', 'VENV=',
+       f'PY={sys.executable}'], cwd=ROOT, capture_output=True, text=True,
+      check=False)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert f'liftmods environment check ({sys.executable})' in result.stdout
