@@ -316,7 +316,9 @@ def sgd_step(model, one_f_one_b):
 
 SCHEDULES = [('gpipe', {}), ('gpipe remat_iterations',
                             dict(remat_iterations=True)),
-             ('1f1b', dict(mode='1f1b'))]
+             ('1f1b', dict(mode='1f1b')),
+             ('1f1b interleaved', dict(mode='1f1b', repeats=2)),
+             ('zero_bubble', dict(mode='zero_bubble'))]
 
 
 def chosen_schedules():
@@ -330,7 +332,7 @@ def schedule_step(stages, micro, options, hidden, rows):
   model = Model(hidden, 2 * stages, pipe)
   x = jax.ShapeDtypeStruct((micro * rows, hidden), jnp.float32)
   params = jax.eval_shape(model.init, jax.random.key(0), x)['params']
-  return model, sgd_step(model, pipe.mode == '1f1b'), params, x
+  return model, sgd_step(model, in_loop(pipe)), params, x
 
 
 def activation_memory():
