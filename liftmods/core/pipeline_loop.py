@@ -624,10 +624,9 @@ def _one_f_one_b(layout, training, stage, mesh, micro, fixed, staged,
   for a, is_batch in zip(training.arrays, training.batched):
     if is_batch and jnp.shape(a)[0] % m:
       raise explain.argument(tuple(jnp.shape(a)), m)
-  # (B/M, M, ...): microbatch b is [:, b], rows b, b + M, ...; a view of
-  # the batch, where microbatches()'s (M, B/M, ...) would be a copy of it.
-  batches = [a.reshape((a.shape[0] // m, m) + a.shape[1:]) if is_batch
-             else a for a, is_batch in zip(training.arrays, training.batched)]
+  batches = [_by_row(a, m) if is_batch else a
+             for a, is_batch in zip(training.arrays, training.batched)]
+  rows = [jnp.shape(a)[1:] for a in training.arrays]
   # The other layers' parameters travel into the loop; the stack's own
   # (which the loss's calls in the loop never read) must not, or every
   # stage would get all of them.
@@ -640,7 +639,7 @@ def _one_f_one_b(layout, training, stage, mesh, micro, fixed, staged,
   table = training_table(layout.stages, m, layout.repeats,
                          layout.split_backward)
   per_stage = functools.partial(_one_f_one_b_stage, layout, training, stage,
-                                shape, explain, table)
+                                shape, explain, table, rows)
   outputs, mutable, grads, outer_grads, loss = _shard(
       layout, mesh, per_stage, (batches, sg(outer)), sg(staged))
   # The gradients enter jax.grad's trace through the stack's variables (in
@@ -655,6 +654,27 @@ def _one_f_one_b(layout, training, stage, mesh, micro, fixed, staged,
   return out, _unstaged(mutable), total
 
 
+def _by_row(a, m):
+  """``(B, ...) -> (B/M, M·n)``, ``n`` the size of a row: a view of the
+  batch (no copy) whose row ``i`` holds rows ``i·M ... i·M + M − 1``, so
+  that microbatch ``b`` (rows ``b, b + M, ...``, as in :func:`microbatches`)
+  is the ``n`` columns from ``b·n``."""
+  a = jnp.asarray(a)
+  return a.reshape((a.shape[0] // m, m * int(np.prod(a.shape[1:]))))
+
+
+def _microbatch(view, b, m):
+  """Microbatch ``b``, ``(B/M, ...)``, of a :func:`_by_row` view and the
+  shape of a row: one dynamic slice of the columns, so the loops read one
+  microbatch at a time and the compiler has no ``M``-strided axis to stage
+  (XLA:TPU copied or prefetched the whole ``(B/M, M, ...)`` view to read
+  ``[:, b]``)."""
+  flat, row = view
+  n = flat.shape[1] // m
+  return lax.dynamic_slice_in_dim(flat, b * n, n, axis=1).reshape(
+      (flat.shape[0],) + row)
+
+
 def _zeros(tree):
   return tree_map(jnp.zeros_like, tree)
 
@@ -663,7 +683,7 @@ def _repeated(tree, n):
   return tree_map(lambda a: jnp.broadcast_to(a, (n,) + a.shape), tree)
 
 
-def _one_f_one_b_stage(layout, training, stage, shape, explain, table,
+def _one_f_one_b_stage(layout, training, stage, shape, explain, table, rows,
                        batches, outer, fixed, mutable, keys, per_layer):
   """The training loop on this stage: ``(outputs, mutable, grads, outer
   grads, loss)``, each with a leading stage axis of one."""
@@ -685,7 +705,8 @@ def _one_f_one_b_stage(layout, training, stage, shape, explain, table,
   s = lax.axis_index(layout.axis)
   loop = loop_class(
       layout, training, explain, s, s == 0, s == layout.stages - 1, fill,
-      shape, batches, outer_diff, rebuild_outer, fixed, keys, per_layer,
+      shape, list(zip(batches, rows)), outer_diff, rebuild_outer, fixed,
+      keys, per_layer,
       jax_private.jaxpr_as_fun(traced),
       jax.tree_util.tree_structure(out_shape), table)
   carry = loop.start(mutable)
@@ -740,7 +761,7 @@ class _OneFOneB:
   last: Any   # s == S - 1
   fill: Any
   shape: Any
-  batches: Sequence[Any]
+  batches: Sequence[Any]  # (array, shape of a row); by row if batched
   outer_diff: list
   rebuild_outer: Callable[..., Any]
   fixed: Any      # (R, K, ...): the stage's chunks
@@ -767,7 +788,8 @@ class _OneFOneB:
 
   def call(self, outer_diff, b, given):
     """The loss on microbatch ``b``, the stack answered by ``given``."""
-    arrays = [a[:, b] if is_batch else a
+    arrays = [_microbatch(a, b, self.layout.microbatches) if is_batch
+              else a[0]
               for a, is_batch in zip(self.batches, self.training.batched)]
     return self.training.call(self.rebuild_outer(outer_diff), arrays, given)
 

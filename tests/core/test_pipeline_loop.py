@@ -282,3 +282,18 @@ def test_one_f_one_b_table_is_the_formula():
         np.where(ok, table.kinds[kind]['micro'], -1), np.where(ok, item, -1))
   assert table.inputs == 2 * stages - 1
   assert [k for _, _, k in table.phases()] == [('F',), ('F', 'B'), ('B',)]
+
+
+@pytest.mark.parametrize('shape', [(12,), (12, 5), (12, 2, 3)])
+def test_training_loops_read_each_microbatch_of_a_row_view(shape):
+  """The training loops slice microbatch b out of the (B/M, M·n) view of a
+  batch argument: the rows b, b + M, ... that microbatches() gives it,
+  without the view being a transposed copy."""
+  x = jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape)
+  view = pipeline_loop._by_row(x, 3)
+  assert view.shape == (4, 3 * int(np.prod(shape[1:])))
+  want = pipeline_loop.microbatches(x, 3, None)
+  for b in range(3):
+    got = jax.jit(lambda b: pipeline_loop._microbatch(  # b traced
+        (view, shape[1:]), b, 3))(b)
+    np.testing.assert_array_equal(got, want[b])
