@@ -439,13 +439,14 @@ class _StackErrors:
         "stack's variables in the params given to loss_fn; loss_fn must "
         'pass them to model.apply unchanged.')
 
-  def explicit_training(self, axes):
+  def uneven_microbatch(self, rows, axes, devices):
     return PipelineError(
-        f'Stack at {self.path}: Pipeline(mode={self.mode!r}) does not run on '
-        f'a mesh with Explicit axes yet (here {", ".join(map(repr, axes))}): under '
-        'jax.sharding.auto_axes its compiled loop waits on collectives that '
-        'not every device reaches. Build the mesh with AxisType.Auto axes, '
-        "or use mode='gpipe', which runs on Explicit axes.")
+        f'Stack at {self.path}: Pipeline(mode={self.mode!r}) gives each '
+        f'microbatch {rows} rows of a batch sharded over {", ".join(map(repr, axes))} '
+        f'({devices} devices); the rows must divide evenly over them, or '
+        "XLA's compiled training loop waits forever on its collectives. "
+        f'Choose microbatches so that batch/microbatches is a multiple of '
+        f'{devices}.')
 
   def input_shape(self, got, want):
     return PipelineError(

@@ -86,9 +86,11 @@ class Explain(Protocol):
     """On one microbatch the stack got an input of shapes ``got``, not
     ``want``."""
 
-  def explicit_training(self, axes: tuple) -> Exception:
-    """The one-forward-one-backward loop on a mesh whose ``axes`` are
-    Explicit."""
+  def uneven_microbatch(self, rows: int, axes: tuple, devices: int
+                        ) -> Exception:
+    """A training schedule's microbatch has ``rows`` rows of a batch
+    sharded over mesh ``axes`` of ``devices`` devices, which do not divide
+    them."""
 
 
 class Training(Protocol):
@@ -159,7 +161,7 @@ def run_pipeline(layout: Layout, mesh: Any, layer: Callable[..., Any],
   if not explicit:
     return run(c, stacked, keys, per_layer)
   if training is not None:
-    raise explain.explicit_training(explicit)
+    _check_rows(layout, c, training, context, explain)
   run = functools.partial(_run_pipeline, layout, None, layer, policy,
                           length=length, is_mutable=is_mutable,
                           explain=explain)
@@ -184,6 +186,24 @@ def run_pipeline(layout: Layout, mesh: Any, layer: Callable[..., Any],
 
   return jax.sharding.auto_axes(region, axes=explicit, out_sharding=out)(
       *unique)
+
+
+def _check_rows(layout, c, training, mesh, explain):
+  """Refuses microbatches whose rows do not divide over the mesh axes the
+  batch is sharded on: XLA's compiled training loop then waits forever on
+  collectives (seen on CPU, Auto and Explicit meshes alike). Only on
+  Explicit axes do the types of the stack's input ``c`` and of the loss's
+  batch say how they are sharded."""
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  batches = [(a, True) for a in leaves_of(c)]
+  for a, batched in batches + list(zip(training.arrays, training.batched)):
+    spec = tuple(jax.typeof(a).sharding.spec) if batched else ()
+    axes = spec[0] if spec else None
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    devices = int(np.prod([sizes[x] for x in axes]))
+    rows = a.shape[0] // layout.microbatches
+    if rows % devices:
+      raise explain.uneven_microbatch(rows, axes, devices)
 
 
 def _specs(tree):

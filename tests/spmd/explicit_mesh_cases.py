@@ -130,19 +130,32 @@ def test_pipeline_equals_the_auto_mesh(kind):
     assert typed['params']['stack']['Dense_0']['kernel'][0] == 'stage'
 
 
-@pytest.mark.parametrize('kind', ['explicit', 'second_explicit'])
-def test_one_f_one_b_says_it_needs_an_auto_mesh(kind):
-  model = Model(pipeline=nn.Pipeline(stages=2, microbatches=4, mode='1f1b'))
+def one_f_one_b_step(mode, types, x, microbatches=4):
+  model = Model(pipeline=nn.Pipeline(stages=2, microbatches=microbatches,
+                                     mode=mode))
   names, shape, rules = PIPE_MESH
-  mesh = jax.make_mesh(shape, names, axis_types=TYPES[kind])
+  mesh = jax.make_mesh(shape, names, axis_types=types)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    v, _ = nn.init_sharded(model, mesh, rules)(KEY, X)
+    v, _ = nn.init_sharded(model, mesh, rules)(KEY, x)
     loss = lambda v, x: (model.apply(v, x) ** 2).mean()
-    with pytest.raises(nn.PipelineError) as info:
-      jax.jit(nn.pipeline.value_and_grad(loss))(v, X)
+    return jax.device_get(jax.jit(nn.pipeline.value_and_grad(loss))(v, x))
+
+
+@pytest.mark.parametrize('kind', sorted(TYPES))
+@pytest.mark.parametrize('mode', ['1f1b', 'zero_bubble'])
+def test_training_schedules_equal_the_auto_mesh(kind, mode):
+  x = jnp.concatenate([X, -X])  # 16 rows: 4 per microbatch over 'data'
+  assert_equal_trees(one_f_one_b_step(mode, TYPES[kind], x),
+                     one_f_one_b_step(mode, (AUTO, AUTO), x))
+
+
+def test_uneven_microbatches_are_refused_where_the_sharding_is_known():
+  # 8 rows in 4 microbatches: 2 rows each over the 4 devices of 'data'.
+  with pytest.raises(nn.PipelineError) as info:
+    one_f_one_b_step('1f1b', TYPES['explicit'], X)
   assert str(info.value).startswith(
-      "Stack at /stack: Pipeline(mode='1f1b') does not run on a mesh with "
-      'Explicit axes yet')
+      "Stack at /stack: Pipeline(mode='1f1b') gives each microbatch 2 rows "
+      "of a batch sharded over 'data' (4 devices)")
 
 
 @pytest.mark.parametrize('kind', sorted(TYPES))
