@@ -316,6 +316,7 @@ def sgd_step(model, one_f_one_b):
 
 SCHEDULES = [('gpipe', {}), ('gpipe remat_iterations',
                             dict(remat_iterations=True)),
+             ('circular', dict(repeats=2)),
              ('1f1b', dict(mode='1f1b')),
              ('1f1b interleaved', dict(mode='1f1b', repeats=2)),
              ('zero_bubble', dict(mode='zero_bubble'))]
