@@ -383,6 +383,13 @@ def _and_masks(mask, extra):
   return jnp.logical_and(mask, extra)
 
 
+@functools.lru_cache(maxsize=None)
+def _options_of(fn) -> frozenset:
+  """The parameter names of ``fn`` (``jax.nn.dot_product_attention``),
+  probed once per function."""
+  return frozenset(inspect.signature(fn).parameters)
+
+
 def _fallback_reasons(dropout_rate, deterministic, precision, module,
                       einsum_dot_general, qk_attn_weights_einsum,
                       attn_weights_value_einsum, qk_depth: int,
@@ -601,7 +608,7 @@ def fused_dot_product_attention(
 
   query, key, value = promote_dtype(query, key, value, dtype=dtype)
   dtype = query.dtype
-  options = inspect.signature(jax.nn.dot_product_attention).parameters
+  options = _options_of(jax.nn.dot_product_attention)
   kwargs = {}
   if implementation is not None:
     if 'implementation' not in options:
