@@ -492,10 +492,10 @@ class Table:
     """``[(start, stop, kinds)]``: runs of iterations in which the same
     kinds of slot do work on some stage (a loop each; a kind no stage
     uses in a run is left out of its body)."""
-    present = [tuple(k for k in self.kinds if self.kinds[k]['ok'][t].any())
-               for t in range(self.iterations)]
+    busy = {k: cells['ok'].any(axis=1) for k, cells in self.kinds.items()}
     out = []
-    for t, kinds in enumerate(present):
+    for t in range(self.iterations):
+      kinds = tuple(k for k in self.kinds if busy[k][t])
       if out and out[-1][2] == kinds:
         out[-1] = (out[-1][0], t + 1, kinds)
       else:
@@ -518,9 +518,11 @@ class Table:
     return 1 - busy / total
 
 
+@functools.lru_cache(maxsize=None)
 def training_table(stages: int, microbatches: int, repeats: int = 1,
                    split: bool = False) -> Table:
-  """The schedule of the training loop.
+  """The schedule of the training loop (built once per arguments; its
+  arrays are read-only).
 
   Forward work item ``j`` (chunk ``r``, microbatch ``m``) runs on stage
   ``s`` at ``t = j + s``; items go in groups of ``S`` microbatches through
@@ -561,6 +563,9 @@ def training_table(stages: int, microbatches: int, repeats: int = 1,
     kinds['W'] = kind(t - (v * s_ + s_ - 2) + 0 * s, True)
   inputs = _allocate(kinds, 'F', 'W' if split else 'B', 'slot')
   cotangents = _allocate(kinds, 'B', 'W', 'cot') if split else 0
+  for cells in kinds.values():
+    for a in cells.values():
+      a.flags.writeable = False
   return Table(stages, microbatches, repeats, split, kinds, inputs,
                cotangents)
 
