@@ -360,18 +360,19 @@ def _window_pair(local_window_size) -> tuple[int, int] | None:
   return tuple(pair)
 
 
-def _position_mask(q_len: int, kv_len: int, is_causal: bool,
-                   window: tuple[int, int] | None) -> Array:
-  """``[q_len, kv_len]`` booleans: query ``i`` may see key ``j``."""
-  i = jnp.arange(q_len)[:, None]
-  j = jnp.arange(kv_len)[None, :]
-  allowed = jnp.ones((q_len, kv_len), dtype=bool)
-  if is_causal:
-    allowed = allowed & (j <= i)
+def _position_mask(length: int, is_causal: bool,
+                   window: tuple[int, int] | None) -> Array | None:
+  """``[1, length, length]`` booleans: query ``i`` may see key ``j``; None
+  when neither ``is_causal`` nor ``window`` limits it."""
+  positions = jnp.arange(length)
+  causal = make_causal_mask(positions, dtype=jnp.bool_) if is_causal else None
+  local = None
   if window is not None:
     left, right = window
-    allowed = allowed & (j >= i - left) & (j <= i + right)
-  return allowed
+    local = make_attention_mask(
+        positions, positions,
+        lambda i, j: (j >= i - left) & (j <= i + right), dtype=jnp.bool_)
+  return combine_masks(causal, local, dtype=jnp.bool_)
 
 
 def _and_masks(mask, extra):
@@ -585,8 +586,6 @@ def fused_dot_product_attention(
                               einsum_dot_general, qk_attn_weights_einsum,
                               attn_weights_value_einsum, q_shape[-1],
                               v_shape[-1])
-  positions = (_position_mask(q_len, kv_len, is_causal, window)
-               if is_causal or window is not None else None)
   if reasons:
     what = '; '.join(reasons)
     if not fallback:
@@ -601,7 +600,8 @@ def fused_dot_product_attention(
       key = jnp.repeat(key, groups, axis=-2)
       value = jnp.repeat(value, groups, axis=-2)
     return dot_product_attention(
-        query, key, value, bias, _and_masks(mask, positions),
+        query, key, value, bias,
+        _and_masks(mask, _position_mask(q_len, is_causal, window)),
         broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype,
         precision, module, force_fp32_for_softmax, einsum_dot_general,
         qk_attn_weights_einsum, attn_weights_value_einsum)
@@ -617,21 +617,20 @@ def fused_dot_product_attention(
           f'({jax.__version__}) has no implementation= option on '
           f'jax.nn.dot_product_attention; got {implementation!r}.')
     kwargs['implementation'] = implementation
+  if mask is not None:
+    mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_:
+      mask = mask != 0
   # Causal and window masks go to JAX as options where it has them (cuDNN
   # then skips the masked blocks), else into the mask.
   if (is_causal and 'is_causal' not in options) or (
       window is not None and 'local_window_size' not in options):
-    mask = _and_masks(None if mask is None else jnp.asarray(mask) != 0,
-                      positions)
+    mask = _and_masks(mask, _position_mask(q_len, is_causal, window))
   else:
     if is_causal:
       kwargs['is_causal'] = True
     if window is not None:
       kwargs['local_window_size'] = window
-  if mask is not None:
-    mask = jnp.asarray(mask)
-    if mask.dtype != jnp.bool_:
-      mask = mask != 0
   *batch, _, heads, depth = query.shape
   batch = tuple(batch)
   flat = math.prod(batch)
