@@ -58,9 +58,6 @@ from liftmods.core.rng_counters import restore_scopes, snapshot_scopes
 
 __all__ = ['shard_map']
 
-SpecRule = Any  # None | PartitionSpec | Callable[[str, tuple, Any], PartitionSpec]
-
-
 _NOT_REPLICATED = (
     'an output (a variable, or the result) that its spec declares '
     'replicated along a mesh axis can differ between the shards along it. '
@@ -119,12 +116,10 @@ class _Specs:
   def arguments(self, in_specs, args):
     """``check_at`` for every array of ``args`` under its spec."""
     for i, (spec, arg) in enumerate(zip(in_specs, args)):
-      pairs = jax.tree_util.tree_map(
-          lambda s, sub: [(s, path, x) for path, x in
-                          jax.tree_util.tree_flatten_with_path(sub)[0]],
-          spec, arg, is_leaf=_is_spec)
-      for s, path, x in jax.tree_util.tree_leaves(
-          pairs, is_leaf=lambda p: isinstance(p, tuple) and len(p) == 3):
+      specs = jax.tree.broadcast(spec, arg, is_leaf=_is_spec)
+      for (path, s), x in zip(
+          jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0],
+          jax.tree_util.tree_leaves(arg)):
         if s is not None and hasattr(x, 'shape'):
           self.check_at(s, x.shape, f'shard_map at {self.scopes[0].path_text}'
                         f': argument {i + 1}{jax.tree_util.keystr(path)}')
@@ -151,41 +146,29 @@ class _Specs:
       if shape[dim] % size:
         raise errors.ShardingDivisibilityError(where, shape, spec, dim, size)
 
-  def tree(self, groups, rules, check: bool):
-    """A spec per leaf (box) of variable ``groups``, one rule per group."""
-    out = []
-    for group, rule in zip(groups, rules):
-      per_scope = []
-      for i, cols in enumerate(group):
-        specs = {}
-        for col, tree in cols.items():
-          def one(path, leaf, i=i, col=col, rule=rule):
-            where_args = (i, col, path)
-            spec = self.of_leaf(rule, where_args, leaf)
-            if check:
-              self.check(spec, leaf, where_args)
-            return spec
-          specs[col] = jax.tree_util.tree_map_with_path(one, tree,
-                                                        is_leaf=_is_box)
-        per_scope.append(specs)
-      out.append(tuple(per_scope))
-    return tuple(out)
+  def split(self, groups, rules, check: bool):
+    """One walk over variable ``groups`` (one rule per group): the spec of
+    every variable (box), the groups with boxes unboxed, and the boxes by
+    their path (to put the outputs back into)."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(groups,
+                                                            is_leaf=_is_box)
+    specs, plain, boxes = [], [], {}
+    for path, leaf in leaves:
+      group, scope, col = path[0].idx, path[1].idx, path[2].key
+      where_args = (scope, col, path[3:])
+      spec = self.of_leaf(rules[group], where_args, leaf)
+      if check:
+        self.check(spec, leaf, where_args)
+      specs.append(spec)
+      if _is_box(leaf):
+        boxes[path] = leaf
+        leaf = leaf.unbox(apply_constraint=False)
+      plain.append(leaf)
+    return (treedef.unflatten(specs), treedef.unflatten(plain), boxes)
 
 
-def _unbox(groups):
-  return jax.tree_util.tree_map(
-      lambda x: x.unbox(apply_constraint=False) if _is_box(x) else x, groups,
-      is_leaf=_is_box)
-
-
-def _rebox(out_groups, in_groups):
+def _rebox(out_groups, boxes):
   """Puts every output leaf whose input was a box back into that box."""
-  boxes = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(
-      in_groups, is_leaf=_is_box)[0]:
-    if _is_box(leaf):
-      boxes[path] = leaf
-
   def put(path, leaf):
     box = boxes.get(path)
     if box is not None and not _is_box(leaf):
@@ -283,9 +266,8 @@ def shard_map(fn: Callable[..., Any], mesh: Any, in_specs: Any,
     manual = frozenset(the_mesh.axis_names if axis_names is None
                        else axis_names)
     specs = _Specs(scopes, the_mesh, box_spec, manual)
-    var_specs = specs.tree(variable_groups, rules, check=True)
-    boxed_in = variable_groups
-    plain_in = _unbox(variable_groups)
+    var_specs, plain_in, boxes = specs.split(variable_groups, rules,
+                                             check=True)
 
     split_axes = [_split_axes(split, manual) for split in rng_splits]
 
@@ -296,7 +278,7 @@ def shard_map(fn: Callable[..., Any], mesh: Any, in_specs: Any,
           for g, axes in zip(rng_groups, split_axes))
       scope = make_scopes(plain, rng_groups)
       y = fn(scope, *args)
-      return y, _rebox(repack_fn(scope), boxed_in)
+      return y, _rebox(repack_fn(scope), boxes)
 
     specs.arguments(tuple(in_specs), args)
     all_in_specs = (var_specs, PartitionSpec(), tuple(in_specs))
@@ -316,7 +298,7 @@ def shard_map(fn: Callable[..., Any], mesh: Any, in_specs: Any,
       before = snapshot_scopes(scopes)
       _, out_shapes = jax.eval_shape(lambda: run(PartitionSpec(), False))
       restore_scopes(scopes, before)
-      out_var_specs = specs.tree(out_shapes, rules, check=False)
+      out_var_specs = specs.split(out_shapes, rules, check=False)[0]
     try:
       return run(out_var_specs, check_vma)
     except ValueError as e:
