@@ -133,7 +133,9 @@ class Training:
     return jnp.mean((y @ params['out'] - target) ** 2)
 
 
-def test_one_forward_one_backward_gives_the_gradients_of_the_loss():
+def assert_gradients_of_the_loss(layout):
+  """The training loop on ``layout`` gives the loss and the gradients of
+  the unpipelined model."""
   params = {'in': jnp.eye(WIDTH) * 0.5, 'stack': weights(),
             'out': jnp.ones((WIDTH, 1))}
   target = jnp.arange(ROWS, dtype=jnp.float32)[:, None] / ROWS
@@ -144,7 +146,7 @@ def test_one_forward_one_backward_gives_the_gradients_of_the_loss():
 
   def pipelined(params):
     training = Training(params, [X, target], [True, True])
-    _, _, loss = run(Layout(4), ({'params': {'w': params['stack']}},),
+    _, _, loss = run(layout, ({'params': {'w': params['stack']}},),
                      X @ params['in'], (), training=training)
     return loss
 
@@ -153,6 +155,10 @@ def test_one_forward_one_backward_gives_the_gradients_of_the_loss():
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
   for name in params:
     np.testing.assert_allclose(grads[name], ref[name], rtol=1e-5, atol=1e-6)
+
+
+def test_one_forward_one_backward_gives_the_gradients_of_the_loss():
+  assert_gradients_of_the_loss(Layout(4))
 
 
 def test_one_forward_one_backward_errors():
@@ -189,26 +195,8 @@ def test_one_forward_one_backward_checks_the_stack_input_per_microbatch():
 def test_interleaved_and_split_backward_give_the_gradients(repeats, split):
   """Interleaved 1F1B (two chunks a stage) and the zero-bubble split of
   the backward, on one stage: the loss's gradients, as 1F1B's."""
-  params = {'in': jnp.eye(WIDTH) * 0.5, 'stack': weights(),
-            'out': jnp.ones((WIDTH, 1))}
-  target = jnp.arange(ROWS, dtype=jnp.float32)[:, None] / ROWS
-
-  def plain(params):
-    y = sequential(params['stack'], X @ params['in'])
-    return jnp.mean((y @ params['out'] - target) ** 2)
-
-  def pipelined(params):
-    training = Training(params, [X, target], [True, True])
-    layout = Layout(4, repeats=repeats, split_backward=split)
-    _, _, loss = run(layout, ({'params': {'w': params['stack']}},),
-                     X @ params['in'], (), training=training)
-    return loss
-
-  loss, grads = jax.jit(jax.value_and_grad(pipelined))(params)
-  ref_loss, ref = jax.value_and_grad(plain)(params)
-  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-  for name in params:
-    np.testing.assert_allclose(grads[name], ref[name], rtol=1e-5, atol=1e-6)
+  assert_gradients_of_the_loss(
+      Layout(4, repeats=repeats, split_backward=split))
 
 
 def when(kind, stage):
@@ -249,12 +237,13 @@ def test_training_table_keeps_every_dependency(stages, micro, repeats, split):
     for s in range(s_):
       assert set(w[s]) == work
       assert all(w[s][k] >= b[s][k] for k in work)
+  last = 'W' if split else 'B'
   for s in range(s_):
-    last = 'W' if split else 'B'
-    spans = [(f[s][k], when(table.kinds[last], s)[k],
-              table.kinds['F']['slot'][f[s][k], s]) for k in work]
+    ends = when(table.kinds[last], s)
+    spans = [(f[s][k], ends[k], table.kinds['F']['slot'][f[s][k], s])
+             for k in work]
     for k in work:  # B (and W) read the slot F wrote
-      assert table.kinds[last]['slot'][when(table.kinds[last], s)[k], s] == (
+      assert table.kinds[last]['slot'][ends[k], s] == (
           table.kinds['F']['slot'][f[s][k], s])
     for t0, t1, slot in spans:
       assert not any(slot == other and t0 <= u1 and u0 <= t1
