@@ -90,11 +90,10 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x, train: bool):
     cfg = self.config
-    if self.decode or cfg.causal_attention_fn is None:
-      mask = None if self.decode else nn.make_causal_mask(x[..., 0])
-      fn = {}
-    else:  # the function masks the future itself
-      mask, fn = None, {'attention_fn': cfg.causal_attention_fn}
+    # causal_attention_fn masks the future itself; decoding's cache does.
+    fused = cfg.causal_attention_fn is not None and not self.decode
+    fn = {'attention_fn': cfg.causal_attention_fn} if fused else {}
+    mask = None if self.decode or fused else nn.make_causal_mask(x[..., 0])
     h = nn.SelfAttention(
         num_heads=cfg.num_heads, dropout_rate=cfg.dropout_rate,
         deterministic=not train, decode=self.decode, name='attn',
