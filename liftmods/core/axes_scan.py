@@ -119,22 +119,18 @@ def _invariant_outputs(step, broadcast_in, init, xs, out_axes, explain):
   in_avals = (jax.tree_util.tree_map(lambda x: _abstract(x, False), init),
               jax.tree_util.tree_map(lambda x: _abstract(x, True), xs))
   flat_avals, in_tree = jax.tree_util.tree_flatten(in_avals)
-  out_trees = []
 
   def invariant_part(*flat):
     carry, x_slice = jax.tree_util.tree_unflatten(in_tree, flat)
     b_out, _, ys = step(broadcast_in, carry, x_slice)
     ys = jax.tree_util.tree_map(
         lambda axis, y: y if axis is broadcast else (), out_axes, ys)
-    flat_out, out_tree = jax.tree_util.tree_flatten((b_out, ys))
-    out_trees.append(out_tree)
-    return flat_out
+    return b_out, ys
 
-  known, _ = jax_private.known_outputs(
+  known, out_tree = jax_private.known_outputs(
       invariant_part, flat_avals, 'liftmods scan (loop invariants)')
   dependent = [i for i, value in enumerate(known)
                if isinstance(value, jax_private.Unknown)]
-  out_tree = out_trees[-1]
   if dependent:
     positions = jax.tree_util.tree_unflatten(
         out_tree, list(range(out_tree.num_leaves)))
