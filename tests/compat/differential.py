@@ -14,6 +14,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 LINEN_MODULES = {'flax': 'flax.linen.linear',
@@ -115,3 +116,22 @@ def assert_identical(sides, prefix):
                                     strict=True)
       raise AssertionError(f'{key}: equal values, different bits')
   return len(keys)
+
+
+def part_tests(parts):
+  """The tests every differential suite runs over ``parts`` (``{case:
+  [part, ...]}``), reading its module's ``sides`` fixture: each case saved
+  exactly its parts, and each part is bit-identical. Bind both in the test
+  module (``test_case_saved_its_parts, test_bit_identical = ...``)."""
+
+  @pytest.mark.parametrize('case', parts)
+  def test_case_saved_its_parts(sides, case):
+    assert parts_of(sides, case) == set(parts[case])
+
+  @pytest.mark.parametrize('case,part', [(case, part) for case, names in
+                                         parts.items() for part in names])
+  def test_bit_identical(sides, case, part):
+    n = assert_identical(sides, f'{case}/{part}')
+    print(f'{case}/{part}: {n} of {n} leaves bit-identical')
+
+  return test_case_saved_its_parts, test_bit_identical

@@ -33,16 +33,7 @@ def sides(tmp_path_factory):
                                 'tests.compat.brax_side', list(PARTS))
 
 
-@pytest.mark.parametrize('case', PARTS)
-def test_case_saved_its_parts(sides, case):
-  assert differential.parts_of(sides, case) == set(PARTS[case])
-
-
-@pytest.mark.parametrize('case,part', [(case, part) for case, parts in
-                                       PARTS.items() for part in parts])
-def test_bit_identical(sides, case, part):
-  n = differential.assert_identical(sides, f'{case}/{part}')
-  print(f'{case}/{part}: {n} of {n} leaves bit-identical')
+test_case_saved_its_parts, test_bit_identical = differential.part_tests(PARTS)
 
 
 def test_power_iteration_moved(sides):
