@@ -473,10 +473,21 @@ def model_batch(rows, seed=1):
   return x, jax.random.normal(jax.random.key(seed + 1), (rows, 3))
 
 
-def one_f_one_b(stages, micro, block=Block, length=None, **options):
-  pipe = nn.Pipeline(stages=stages, microbatches=micro, mode='1f1b',
+def one_f_one_b(stages, micro, block=Block, length=None, mode='1f1b',
+                **options):
+  pipe = nn.Pipeline(stages=stages, microbatches=micro, mode=mode,
                      **options)
   return Model(block, length or 2 * stages, pipe), pipe
+
+
+def unpipelined(length):
+  """The unpipelined model of ``length`` blocks, a batch ``(x, target)``,
+  its params and the loss's value and gradients on them."""
+  plain = Model(Block, length, None)
+  x, target = model_batch(32)
+  params = init(plain, x)['params']
+  value = jax.jit(jax.value_and_grad(model_loss(plain)))(params, x, target)
+  return plain, (x, target), params, value
 
 
 @pytest.mark.parametrize('stages,micro,data', [
@@ -486,12 +497,9 @@ def test_1f1b_matches_unpipelined_and_gpipe(stages, micro, data):
   stack). Block gives NaN on the all-zero input an idle slot holds, and
   what arrives before real work is NaN: any leak would show."""
   model, pipe = one_f_one_b(stages, micro)
-  plain = Model(Block, 2 * stages, None)
   gpipe = Model(Block, 2 * stages, dataclasses.replace(pipe, mode='gpipe'))
-  x, target = model_batch(32)
-  params = init(plain, x)['params']
-  loss_ref, grads_ref = jax.jit(jax.value_and_grad(model_loss(plain)))(
-      params, x, target)
+  plain, (x, target), params, (loss_ref, grads_ref) = unpipelined(
+      2 * stages)
   with jax.set_mesh(mesh_of(stages, data)):
     loss, grads = jax.jit(nn.pipeline.value_and_grad(model_loss(model)))(
         params, x, target)
@@ -742,14 +750,9 @@ def test_interleaved_and_zero_bubble_match_unpipelined(mode, stages, micro,
   and every gradient equal the unpipelined model's to float32 rounding
   (Block gives NaN on what an idle slot holds)."""
   length = 2 * stages * repeats
-  model, pipe = one_f_one_b(stages, micro, length=length, repeats=repeats)
-  model = dataclasses.replace(model, pipeline=dataclasses.replace(
-      pipe, mode=mode))
-  plain = Model(Block, length, None)
-  x, target = model_batch(32)
-  params = init(plain, x)['params']
-  loss_ref, grads_ref = jax.jit(jax.value_and_grad(model_loss(plain)))(
-      params, x, target)
+  model, pipe = one_f_one_b(stages, micro, length=length, mode=mode,
+                            repeats=repeats)
+  _, (x, target), params, (loss_ref, grads_ref) = unpipelined(length)
   with jax.set_mesh(mesh_of(stages, data)):
     loss, grads = jax.jit(nn.pipeline.value_and_grad(model_loss(model)))(
         to_pipeline(pipe, params), x, target)
@@ -758,10 +761,9 @@ def test_interleaved_and_zero_bubble_match_unpipelined(mode, stages, micro,
 
 
 def test_zero_bubble_counts_each_microbatch_once_and_uses_gpipe_keys():
-  model, pipe = one_f_one_b(2, 4, block=Counted, length=8, repeats=2,
+  model, pipe = one_f_one_b(2, 4, block=Counted, length=8,
+                            mode='zero_bubble', repeats=2,
                             per_microbatch=('counts',))
-  model = dataclasses.replace(model, pipeline=dataclasses.replace(
-      pipe, mode='zero_bubble'))
   x, target = model_batch(16)
   variables = init(model, x)
 
@@ -776,10 +778,8 @@ def test_zero_bubble_counts_each_microbatch_once_and_uses_gpipe_keys():
         loss_fn, has_aux=True))(variables['params'], x, target)
   np.testing.assert_array_equal(updated['counts']['blocks']['calls'],
                                 np.full(8, 1 + 4))
-  dropped, pipe = one_f_one_b(2, 4, block=Dropped)
-  zb = dataclasses.replace(dropped, pipeline=dataclasses.replace(
-      pipe, mode='zero_bubble'))
-  gpipe = dataclasses.replace(dropped, pipeline=dataclasses.replace(
+  zb, pipe = one_f_one_b(2, 4, block=Dropped, mode='zero_bubble')
+  gpipe = dataclasses.replace(zb, pipeline=dataclasses.replace(
       pipe, mode='gpipe'))
   params = init(Model(Dropped, 4, None), x)['params']
 
@@ -821,9 +821,8 @@ def test_pictures_draw_the_table_the_loop_runs(monkeypatch, mode, repeats):
   original = pipeline_loop.training_table
   monkeypatch.setattr(pipeline_loop, 'training_table',
                       lambda *a: read.append(original(*a)) or read[-1])
-  model, pipe = one_f_one_b(2, 4, length=4 * repeats, repeats=repeats)
-  pipe = dataclasses.replace(pipe, mode=mode)
-  model = dataclasses.replace(model, pipeline=pipe)
+  model, pipe = one_f_one_b(2, 4, length=4 * repeats, mode=mode,
+                            repeats=repeats)
   x, target = model_batch(8)
   params = init(Model(Block, 4 * repeats, None), x)['params']
   with jax.set_mesh(mesh_of(2, 1)):
