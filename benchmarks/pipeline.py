@@ -320,6 +320,8 @@ SCHEDULES = [('gpipe', {}), ('gpipe remat_iterations',
              ('1f1b', dict(mode='1f1b')),
              ('1f1b interleaved', dict(mode='1f1b', repeats=2)),
              ('zero_bubble', dict(mode='zero_bubble'))]
+# The sections comparing the two schedules of before interleaving.
+GPIPE_AND_1F1B = [s for s in SCHEDULES if s[0] in ('gpipe', '1f1b')]
 
 
 def chosen_schedules():
@@ -387,7 +389,7 @@ def schedule_times():
         f'{"step ms":>10}')
   mesh = stage_mesh(stages)
   for micro in map(int, FLAGS.time_micro):
-    for label, options in (SCHEDULES[0], SCHEDULES[2]):
+    for label, options in GPIPE_AND_1F1B:
       model, step, params, x = schedule_step(stages, micro, options, hidden,
                                              rows)
       with jax.set_mesh(mesh):
@@ -414,7 +416,7 @@ def differences():
   loss, grads = jax.jit(jax.value_and_grad(model_loss(plain)))(params, x)
   mesh = stage_mesh(stages)
   results = {}
-  for label, options in (SCHEDULES[0], SCHEDULES[2]):
+  for label, options in GPIPE_AND_1F1B:
     model, step, _, _ = schedule_step(stages, micro, options, hidden, rows)
     grad = (nn.pipeline.value_and_grad if 'mode' in options else
             jax.value_and_grad)(model_loss(model))
@@ -567,10 +569,8 @@ def tpu_rows():
 
 # -- every schedule: figures and pictures ------------------------------------------
 
-FIGURE_SCHEDULES = [('gpipe', {}), ('circular', dict(repeats=2)),
-                    ('1f1b', dict(mode='1f1b')),
-                    ('1f1b interleaved', dict(mode='1f1b', repeats=2)),
-                    ('zero_bubble', dict(mode='zero_bubble'))]
+FIGURE_SCHEDULES = [s for s in SCHEDULES
+                    if s[0] != 'gpipe remat_iterations']
 flags.DEFINE_list('figure_micro', ['8', '16', '32', '64'],
                   'M values for the figures section')
 flags.DEFINE_string('picture_dir', 'docs/img', 'where pictures go')
@@ -716,8 +716,7 @@ def measured_idle(pipe, hidden, rows):
   if not in_loop(pipe):  # jax.grad runs as many backward iterations
     slots = {'F': slots['F'], 'B': slots['F']}
   runs = int((counts['counts']['blocks']['calls'] - 1).sum())
-  per_slot = 2 * pipe.stages // pipe.stages // pipe.repeats  # layers
-  active = runs // per_slot
+  active = runs // pipe.layers_per_stage(2 * pipe.stages)  # layers a slot
   cost = {'F': 1, 'B': 1 if pipe.split_backward else 2, 'W': 1}
   total = sum(cost[k] * n * pipe.stages for k, n in slots.items())
   busy = sum(cost[k] * active for k in slots)
