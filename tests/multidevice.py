@@ -12,6 +12,24 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def simulate(devices: int = 8) -> None:
+  """Asks for ``devices`` simulated CPU devices: a cases file calls it
+  before anything starts a JAX backend (JAX reads XLA_FLAGS then)."""
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                             f' --xla_force_host_platform_device_count={devices}')
+
+
+def require(devices: int = 8) -> None:
+  """Skips the calling cases file when JAX started with fewer devices (it
+  was imported in a process that had a backend already)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import pytest  # pylint: disable=g-import-not-at-top
+  if jax.device_count() < devices:
+    pytest.skip(f'needs {devices} devices: JAX was started before XLA_FLAGS '
+                'was set (run this file in its own process)',
+                allow_module_level=True)
+
+
 def assert_cases_pass(cases: pathlib.Path, devices: int = 8,
                       marks: str = ''):
   """Runs pytest on ``cases`` (only those ``marks`` selects, a ``-m``

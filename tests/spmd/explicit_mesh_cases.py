@@ -10,10 +10,9 @@ sharding of a contraction over a sharded dimension (``out_sharding=``,
 which ``nn.logical_out_sharding`` derives from logical names). The model
 below is written that way once and runs on every mesh.
 """
-import os
+import multidevice
 
-os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                           ' --xla_force_host_platform_device_count=8')
+multidevice.simulate(8)
 
 import jax  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp
@@ -25,9 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import liftmods as nn
 
-if jax.device_count() < 8:
-  pytest.skip('needs 8 devices: JAX was started before XLA_FLAGS was set '
-              '(run this file in its own process)', allow_module_level=True)
+multidevice.require(8)
 
 KEY = jax.random.key(0)
 X = jnp.asarray(np.random.RandomState(0).normal(size=(8, 8)), jnp.float32)

@@ -14,10 +14,9 @@ jax 0.10.2 and 0.12.0.1 (the same on Auto and Explicit meshes): outputs
 1.2e-7 to 1.7e-7 of the largest entry, parameter gradients 2.2e-7 to
 3.2e-7, input gradients 2.0e-7 to 3.5e-7.
 """
-import os
+import multidevice
 
-os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                           ' --xla_force_host_platform_device_count=8')
+multidevice.simulate(8)
 
 import functools  # pylint: disable=g-import-not-at-top
 
@@ -31,9 +30,7 @@ from jax.sharding import PartitionSpec as P
 import liftmods as nn
 from examples.ring_attention import RingAttention, sequence_parallel
 
-if jax.device_count() < 8:
-  pytest.skip('needs 8 devices: JAX was started before XLA_FLAGS was set '
-              '(run this file in its own process)', allow_module_level=True)
+multidevice.require(8)
 
 TOL = 1e-6
 KEY = jax.random.key(0)

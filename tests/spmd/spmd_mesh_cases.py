@@ -6,10 +6,9 @@ the suite shares its worker processes with one device.
 
 Run by hand: ``python -m pytest tests/spmd/spmd_mesh_cases.py``.
 """
-import os
+import multidevice
 
-os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                           ' --xla_force_host_platform_device_count=8')
+multidevice.simulate(8)
 
 import flax  # pylint: disable=g-import-not-at-top
 import flax.linen as fnn
@@ -26,9 +25,7 @@ import liftmods as nn
 from benchmarks import spmd_model
 from liftmods import errors
 
-if jax.device_count() < 8:
-  pytest.skip('needs 8 devices: JAX was started before XLA_FLAGS was set '
-              '(run this file in its own process)', allow_module_level=True)
+multidevice.require(8)
 
 KEY = jax.random.key(0)
 TOKENS = (jnp.arange(32, dtype=jnp.int32).reshape(8, 4) * 7) % 32
