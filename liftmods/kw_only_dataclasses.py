@@ -78,14 +78,12 @@ Default = Any
 
 # Names of flax.linen.kw_only_dataclasses that mean nothing in liftmods, and
 # why.
+from liftmods import linen_names  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 _LINEN_ONLY = {
-    'flax': 'the flax package itself; liftmods never imports flax',
-    'tpe': 'the typing_extensions module, a dependency of flax that '
-           'liftmods does not have (it needs only jax, jaxlib, numpy and '
-           'msgpack)',
+    **linen_names.shared('flax', 'tpe'),
 }
 
 
-from liftmods.linen_names import not_provided  # pylint: disable=g-import-not-at-top,wrong-import-position
-
-__getattr__ = not_provided(__name__, 'flax.linen.kw_only_dataclasses', _LINEN_ONLY)
+__getattr__ = linen_names.not_provided(__name__, 'flax.linen.kw_only_dataclasses',
+                                        _LINEN_ONLY)

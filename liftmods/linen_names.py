@@ -16,7 +16,23 @@ flax.linen.demo.flax is not provided by liftmods.demo: liftmods never imports fl
 from collections.abc import Callable, Mapping
 from typing import NoReturn
 
-__all__ = ['not_provided']
+__all__ = ['not_provided', 'shared']
+
+# Reasons that several mirror modules give for the same Linen name.
+_SHARED = {
+    'flax': 'the flax package itself; liftmods never imports flax',
+    'tpe': 'the typing_extensions module, a dependency of flax that '
+           'liftmods does not have (it needs only jax, jaxlib, numpy and '
+           'msgpack)',
+    'struct': "the flax.struct module, flax's own rather than Linen's; "
+              'liftmods has no counterpart, and under liftmods.compat '
+              "flax.struct stays flax's",
+    'FlaxId': "flax.ids.FlaxId, the class of Linen's module ids; liftmods "
+              'numbers its modules with plain integers and has no id class',
+    'LazyRng': "flax.core.scope.LazyRng, Linen's lazily folded key; "
+               "liftmods' is liftmods.core.rngs.LazyKey (other fields), and "
+               'a LazyRng passed in as an rng is accepted',
+}
 
 
 def not_provided(module: str, linen_module: str,
@@ -41,3 +57,15 @@ def not_provided(module: str, linen_module: str,
                          f'{module}: {reason}')
 
   return __getattr__
+
+
+def shared(*names: str) -> dict[str, str]:
+  """The reasons several mirror modules give, for ``names``.
+
+  Args:
+    *names: Linen names listed in more than one mirror module.
+
+  Returns:
+    ``{name: reason}``.
+  """
+  return {name: _SHARED[name] for name in names}

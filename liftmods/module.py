@@ -1638,13 +1638,10 @@ class TestScope(Scope):
 
 
 # Names of flax.linen.module that mean nothing in liftmods, and why.
+from liftmods import linen_names  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 _LINEN_ONLY = {
-    'flax': 'the flax package itself; liftmods never imports flax',
-    'tpe': 'the typing_extensions module, a dependency of flax that '
-           'liftmods does not have (it needs only jax, jaxlib, numpy and '
-           'msgpack)',
-    'FlaxId': "flax.ids.FlaxId, the class of Linen's module ids; liftmods "
-              'numbers its modules with plain integers and has no id class',
+    **linen_names.shared('flax', 'tpe', 'FlaxId'),
     'uuid': "flax.ids.uuid, the object that hands out Linen's module ids "
             '(not the uuid module); liftmods numbers its modules with a '
             'private counter',
@@ -1661,6 +1658,5 @@ _LINEN_ONLY = {
 }
 
 
-from liftmods.linen_names import not_provided  # pylint: disable=g-import-not-at-top,wrong-import-position
-
-__getattr__ = not_provided(__name__, 'flax.linen.module', _LINEN_ONLY)
+__getattr__ = linen_names.not_provided(__name__, 'flax.linen.module',
+                                        _LINEN_ONLY)

@@ -430,14 +430,12 @@ from typing import Optional, Tuple
 # pylint: enable=g-import-not-at-top,wrong-import-position,unused-import
 
 # Names of flax.linen.partitioning that mean nothing in liftmods, and why.
+from liftmods import linen_names  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 _LINEN_ONLY = {
-    'flax': 'the flax package itself; liftmods never imports flax',
-    'struct': "the flax.struct module, flax's own rather than Linen's; "
-              'liftmods has no counterpart, and under liftmods.compat '
-              "flax.struct stays flax's",
+    **linen_names.shared('flax', 'struct'),
 }
 
 
-from liftmods.linen_names import not_provided  # pylint: disable=g-import-not-at-top,wrong-import-position
-
-__getattr__ = not_provided(__name__, 'flax.linen.partitioning', _LINEN_ONLY)
+__getattr__ = linen_names.not_provided(__name__, 'flax.linen.partitioning',
+                                        _LINEN_ONLY)

@@ -50,6 +50,7 @@ _LINEN_ONLY = {
 }
 
 
-from liftmods.linen_names import not_provided  # pylint: disable=g-import-not-at-top,wrong-import-position
+from liftmods import linen_names  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-__getattr__ = not_provided(__name__, 'flax.linen.recurrent', _LINEN_ONLY)
+__getattr__ = linen_names.not_provided(__name__, 'flax.linen.recurrent',
+                                        _LINEN_ONLY)

@@ -445,21 +445,20 @@ _NOT_A_DEPENDENCY = ('a dependency of flax that liftmods does not have (it '
                      'use: liftmods draws its table itself')
 
 # Names of flax.linen.summary that mean nothing in liftmods, and why.
+from liftmods import linen_names  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 _LINEN_ONLY = {
+    **linen_names.shared('LazyRng'),
     'Row': "the record of one row of Linen's table, filled from its own "
            "call capture; liftmods' table is built from ModuleCall records "
            '(record_calls, module_calls) and has no Row',
     'Table': "the list of Rows Linen's table is rendered from; liftmods' "
              'table is built from ModuleCall records (record_calls, '
              'module_calls) and has no Table',
-    'LazyRng': "flax.core.scope.LazyRng, Linen's lazily folded key; "
-               "liftmods' is liftmods.core.rngs.LazyKey (other fields), and "
-               'a LazyRng passed in as an rng is accepted',
     'rich': f'the rich module, {_NOT_A_DEPENDENCY}',
     'yaml': f'the yaml module (PyYAML), {_NOT_A_DEPENDENCY}',
 }
 
 
-from liftmods.linen_names import not_provided  # pylint: disable=g-import-not-at-top,wrong-import-position
-
-__getattr__ = not_provided(__name__, 'flax.linen.summary', _LINEN_ONLY)
+__getattr__ = linen_names.not_provided(__name__, 'flax.linen.summary',
+                                        _LINEN_ONLY)

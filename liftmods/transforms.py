@@ -1106,15 +1106,10 @@ _JIT_ONLY = ("a step of Linen's nn.jit, which caches the transformed function "
              'cache and has no such step')
 
 # Names of flax.linen.transforms that mean nothing in liftmods, and why.
+from liftmods import linen_names  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 _LINEN_ONLY = {
-    'FlaxId': "flax.ids.FlaxId, the class of Linen's module ids; liftmods "
-              'numbers its modules with plain integers and has no id class',
-    'LazyRng': "flax.core.scope.LazyRng, Linen's lazily folded key; "
-               "liftmods' is liftmods.core.rngs.LazyKey (other fields), and "
-               'a LazyRng passed in as an rng is accepted',
-    'struct': "the flax.struct module, flax's own rather than Linen's; "
-              'liftmods has no counterpart, and under liftmods.compat '
-              'flax.struct stays flax\'s',
+    **linen_names.shared('struct', 'FlaxId', 'LazyRng'),
     'clean_clone': 'a helper Linen no longer calls that strips the scopes '
                    'from a module and its children in place; liftmods keeps '
                    'children in private state, and Module.unbind() or '
@@ -1126,6 +1121,5 @@ _LINEN_ONLY = {
 }
 
 
-from liftmods.linen_names import not_provided  # pylint: disable=g-import-not-at-top,wrong-import-position
-
-__getattr__ = not_provided(__name__, 'flax.linen.transforms', _LINEN_ONLY)
+__getattr__ = linen_names.not_provided(__name__, 'flax.linen.transforms',
+                                        _LINEN_ONLY)
