@@ -47,7 +47,9 @@ class Unknown(NamedTuple):
 
 
 def _partial_value(x) -> Any:
-  if isinstance(x, (jax.ShapeDtypeStruct, jax.core.ShapedArray)):
+  if isinstance(x, jax.core.ShapedArray):  # an abstract value, as it is
+    return _pe.PartialVal.unknown(x)
+  if isinstance(x, jax.ShapeDtypeStruct):
     return _pe.PartialVal.unknown(jax.core.ShapedArray(x.shape, x.dtype))
   return _pe.PartialVal.known(x)
 

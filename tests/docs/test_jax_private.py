@@ -120,3 +120,9 @@ def test_extended_dtype_round_trips_through_a_jit():
   grown = jax.jit(lambda a, b: jax.lax.convert_element_type(
       fp8_ops.Fp8MetaTyRules.add(dtype, a, b), jnp.float32))(meta, meta)
   assert float(grown) == 3.0
+
+
+def test_known_outputs_keeps_an_abstract_value_as_given():
+  aval = jax.core.ShapedArray((3,), jnp.float32, weak_type=True)
+  (out,), _ = jax_private.known_outputs(lambda a: (a * 2,), [aval])
+  assert isinstance(out, jax_private.Unknown) and out.aval.weak_type
