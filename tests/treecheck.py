@@ -17,7 +17,6 @@ Trees are compared through ``plain``, so a flax ``FrozenDict`` and a liftmods
 ...              rtol=1e-6, atol=0)
 """
 import contextlib
-import re
 
 import flax
 import flax.linen
@@ -25,19 +24,14 @@ import jax
 import numpy as np
 
 import liftmods
+from tools.check_env import version_tuple
 
 LINEN_AND_LIFTMODS = (flax.linen, liftmods)
 
 
-def version(text: str) -> tuple:
-  """``(major, minor, micro)`` of a version string ('0.12.0.1' -> (0, 12, 0),
-  '0.13.0rc1' -> (0, 13, 0)), for tests whose oracle changed between
-  releases."""
-  return tuple(int(re.match(r'\d*', part).group() or 0)
-               for part in text.split('.')[:3])
-
-
-FLAX_VERSION = version(flax.__version__)
+# flax's (major, minor, micro), for tests whose oracle changed between
+# releases.
+FLAX_VERSION = version_tuple(flax.__version__)
 
 
 def plain(tree):
