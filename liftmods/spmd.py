@@ -329,13 +329,8 @@ def logical_out_sharding(logical_names: Sequence[str | None],
               if kind == jax.sharding.AxisType.Explicit}
   if not explicit:
     return None
-  spec = logical_to_mesh_axes(logical_names, rules)
-  out = []
-  for entry in spec:
-    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
-    kept = tuple(a for a in axes if a in explicit)
-    out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-  return PartitionSpec(*out)
+  return meta.keep_axes(logical_to_mesh_axes(logical_names, rules),
+                        lambda axis: axis in explicit)
 
 
 # -- logically partitioned variables -------------------------------------------

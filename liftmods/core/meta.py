@@ -164,21 +164,32 @@ def global_mesh_defined() -> bool:
   return get_global_mesh() is not None
 
 
-def _spec_names(entry) -> tuple:
+def spec_axes(entry) -> tuple:
+  """The mesh axes of one ``PartitionSpec`` entry (None, a name, a tuple of
+  names; ``UNCONSTRAINED`` has none).
+
+  >>> spec_axes('data'), spec_axes(('data', 'fsdp')), spec_axes(None)
+  (('data',), ('data', 'fsdp'), ())
+  """
   if entry is None or entry is jax.sharding.PartitionSpec.UNCONSTRAINED:
     return ()
   return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _keep_axes(spec, keep) -> jax.sharding.PartitionSpec:
+def keep_axes(spec, keep) -> jax.sharding.PartitionSpec:
   """``spec`` with every mesh axis for which ``keep(axis)`` is False left
-  out (a dimension left with none becomes None)."""
+  out (a dimension left with none becomes None).
+
+  >>> P = jax.sharding.PartitionSpec
+  >>> keep_axes(P(('a', 'b'), 'c'), lambda x: x != 'b') == P('a', 'c')
+  True
+  """
   out = []
   for entry in spec:
     if entry is jax.sharding.PartitionSpec.UNCONSTRAINED:
       out.append(entry)
       continue
-    kept = tuple(a for a in _spec_names(entry) if keep(a))
+    kept = tuple(a for a in spec_axes(entry) if keep(a))
     out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
   return jax.sharding.PartitionSpec(*out)
 
@@ -204,24 +215,24 @@ def constrain(x, spec, mesh=None):
   context = get_global_mesh()
   names = (mesh or context).axis_names
   for entry in spec:
-    for axis in _spec_names(entry):
+    for axis in spec_axes(entry):
       if axis not in names:
         raise errors.MeshAxisNotFoundError('sharding constraint', spec, axis,
                                            names)
   manual = set(context.manual_axes) if context is not None else set()
   if manual:
-    spec = _keep_axes(spec, lambda a: a not in manual)
-    if not any(_spec_names(e) for e in spec):
+    spec = keep_axes(spec, lambda a: a not in manual)
+    if not any(spec_axes(e) for e in spec):
       return x
   types = dict(zip(names, (mesh or context).axis_types))
-  explicit = _keep_axes(
+  explicit = keep_axes(
       spec, lambda a: types.get(a) == jax.sharding.AxisType.Explicit)
-  auto = _keep_axes(
+  auto = keep_axes(
       spec, lambda a: types.get(a) != jax.sharding.AxisType.Explicit)
   named = lambda s: jax.sharding.NamedSharding(mesh, s) if mesh else s
   if any(t == jax.sharding.AxisType.Explicit for t in types.values()):
     x = jax.sharding.reshard(x, named(explicit))
-    if not any(_spec_names(e) for e in auto):
+    if not any(spec_axes(e) for e in auto):
       return x
   return jax.lax.with_sharding_constraint(x, named(auto))
 

@@ -37,6 +37,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from liftmods import jax_private
+from liftmods.core import meta
 
 tree_map = jax.tree_util.tree_map
 leaves_of = jax.tree_util.tree_leaves
@@ -198,8 +199,7 @@ def _check_rows(layout, c, training, mesh, explain):
   batches = [(a, True) for a in leaves_of(c)]
   for a, batched in batches + list(zip(training.arrays, training.batched)):
     spec = tuple(jax.typeof(a).sharding.spec) if batched else ()
-    axes = spec[0] if spec else None
-    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    axes = meta.spec_axes(spec[0] if spec else None)
     devices = int(np.prod([sizes[x] for x in axes]))
     rows = a.shape[0] // layout.microbatches
     if rows % devices:

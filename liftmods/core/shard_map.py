@@ -128,9 +128,8 @@ class _Specs:
     """``check`` of an array of ``shape``, said of ``where``."""
     sizes = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))
     for dim, entry in enumerate(spec):
-      axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
       size = 1
-      for axis in axes:
+      for axis in meta.spec_axes(entry):
         if axis not in sizes:
           raise errors.MeshAxisNotFoundError(where, spec, axis,
                                              self.mesh.axis_names)
