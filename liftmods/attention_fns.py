@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import random
 
 from liftmods import errors
+from liftmods.core import caching
 from liftmods.dtypes import promote_dtype
 
 Array = Any
@@ -384,11 +385,20 @@ def _and_masks(mask, extra):
   return jnp.logical_and(mask, extra)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=8)
 def _options_of(fn) -> frozenset:
   """The parameter names of ``fn`` (``jax.nn.dot_product_attention``),
   probed once per function."""
   return frozenset(inspect.signature(fn).parameters)
+
+
+caching.register('attention_fns._options_of', caching.Policy(
+    holds='the parameter names of a dot-product attention function '
+          '(`jax.nn.dot_product_attention`), read by '
+          '`fused_dot_product_attention`',
+    keyed_on='the function',
+    bound='8 entries',
+    cleared='on eviction'), clear=_options_of.cache_clear)
 
 
 def _fallback_reasons(dropout_rate, deterministic, precision, module,

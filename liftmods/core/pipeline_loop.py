@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from liftmods import jax_private
-from liftmods.core import meta
+from liftmods.core import caching, meta
 
 tree_map = jax.tree_util.tree_map
 leaves_of = jax.tree_util.tree_leaves
@@ -518,7 +518,7 @@ class Table:
     return 1 - busy / total
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=64)
 def training_table(stages: int, microbatches: int, repeats: int = 1,
                    split: bool = False) -> Table:
   """The schedule of the training loop (built once per arguments; its
@@ -568,6 +568,14 @@ def training_table(stages: int, microbatches: int, repeats: int = 1,
       a.flags.writeable = False
   return Table(stages, microbatches, repeats, split, kinds, inputs,
                cotangents)
+
+
+caching.register('core.pipeline_loop.training_table', caching.Policy(
+    holds='the schedule table of a training loop (1F1B, interleaved, '
+          'zero-bubble), its arrays read-only',
+    keyed_on='stages, microbatches, repeats, split backward',
+    bound='64 entries',
+    cleared='on eviction'), clear=training_table.cache_clear)
 
 
 def _allocate(kinds, first, last, name):
