@@ -424,14 +424,26 @@ class WhileLoopInitError(LiftError, TypeError):
 
 
 class PartitioningUnspecifiedError(LiftError):
-  """A Partitioned variable crosses vmap/scan without a partition name."""
+  """A Partitioned variable crosses vmap/scan without a partition name.
 
-  def __init__(self, target):
+  ``transform`` is the transform that adds or removes the axis, when it is
+  known; the advice names its ``metadata_params`` argument only then.
+  """
+
+  def __init__(self, target, transform: str | None = None):
+    self.target = target
+    self.transform = transform
+    if transform is None:
+      advice = ('-- the params given to add_axis/remove_axis must hold '
+                '{"partition_name": <axis name, or None for an unsharded '
+                'axis>}.')
+    else:
+      advice = (f'-- pass metadata_params={{"partition_name": "layers"}} '
+                f'(or None for an unsharded axis) to {transform}, which '
+                'adds this axis.')
     super().__init__(_join(
         'Trying to transform a Partitioned variable but "partition_name" is '
-        f'not specified in metadata_params: {target}',
-        '-- pass metadata_params={"partition_name": "layers"} (or None for '
-        'an unsharded axis).'))
+        f'not specified in metadata_params: {target}', advice))
 
 
 class DescriptorAttributeError(LiftmodsError):
@@ -525,6 +537,18 @@ class ShardingDivisibilityError(ShardingError):
         f'{spec[dim]!r} over {size} devices (spec {spec}), but '
         f'{shape[dim]} is not divisible by {size}. Change the size, or map '
         'that axis to a smaller (or no) mesh axis.')
+
+
+class ExplicitShardingError(ShardingError):
+  """An operation's output sharding on Explicit mesh axes cannot be
+  resolved from its operands' shardings."""
+
+  def __init__(self, where, what, specs, cause=None):
+    super().__init__(
+        f'{where}: the {what} cannot be laid out on the Explicit mesh axes '
+        f'from its operands ({specs}): {cause}. Pass out_sharding= to the '
+        'layer call, or constrain the input (nn.with_logical_constraint) or '
+        'the rules so that the shardings agree.')
 
 
 class ShardMapSpecError(ShardingError):

@@ -678,7 +678,8 @@ def remat_scan(target: Target, lengths: Sequence[int] = (),
                variable_broadcast: CollectionFilter = False,
                variable_carry: CollectionFilter = False,
                variable_axes: Mapping[CollectionFilter, InOutScanAxis] = FrozenDict({True: 0}),
-               split_rngs: Mapping[PRNGSequenceFilter, bool] = FrozenDict({True: True})) -> Target:
+               split_rngs: Mapping[PRNGSequenceFilter, bool] = FrozenDict({True: True}),
+               metadata_params: Mapping[Any, Any] | Sequence[Mapping[Any, Any]] = {}) -> Target:
   """Applies ``target`` ``prod(lengths)`` times as nested rematerialized scans.
 
   Gradient memory then grows like ``n ** (1 / len(lengths))`` for ``n``
@@ -694,18 +695,26 @@ def remat_scan(target: Target, lengths: Sequence[int] = (),
       (by default all, on axis 0).
     split_rngs: ``{rng filter: bool}``; by default every application gets
       its own keys.
+    metadata_params: the axis metadata of stacked boxed variables, e.g.
+      ``{nn.PARTITION_NAME: 'layers'}`` (Linen's ``remat_scan`` lacks it,
+      flax issue 3870): one mapping for every level, or one per level,
+      outermost first, e.g. ``[{nn.PARTITION_NAME: 'stages'},
+      {nn.PARTITION_NAME: None}]``.
 
   Returns:
     A subclass of ``target``, or the lifted function.
 
   Raises:
     TransformTargetError: ``target`` is neither a Module class nor callable.
+    ValueError: ``metadata_params`` is a sequence whose length is not
+      ``len(lengths)``.
   """
+  lift.level_metadata(metadata_params, lengths)
   return lift_transform(lift.remat_scan, 'remat_scan', target,
                         lengths=lengths, variable_broadcast=variable_broadcast,
                         variable_carry=variable_carry,
                         variable_axes=variable_axes, split_rngs=split_rngs,
-                        policy=policy)
+                        policy=policy, metadata_params=metadata_params)
 
 
 def map_variables(target: Target,
@@ -1030,14 +1039,18 @@ def add_metadata_axis(target: Target,
   Returns:
     A subclass of ``target``, or the lifted function.
   """
+  def remove(x, axis):
+    with lift.axis_owner('add_metadata_axis'):
+      return meta.remove_axis(x, axis, metadata_params)
+
+  def add(x, axis):
+    with lift.axis_owner('add_metadata_axis'):
+      return meta.add_axis(x, axis, metadata_params)
+
   for col, axis in variable_axes.items():
     target = map_variables(
-        target, col,
-        trans_in_fn=lambda x, axis=axis: meta.remove_axis(x, axis,
-                                                          metadata_params),
-        trans_out_fn=lambda x, axis=axis: meta.add_axis(x, axis,
-                                                        metadata_params),
-        mutable=True)
+        target, col, trans_in_fn=functools.partial(remove, axis=axis),
+        trans_out_fn=functools.partial(add, axis=axis), mutable=True)
   return target
 
 

@@ -35,6 +35,7 @@ loop over stacked layers (``core.layer_scan``), rng counter snapshots
 >>> y.shape, variables['params']['w'].shape
 ((4, 2), (4, 3, 2))
 """
+import contextlib
 import functools
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
@@ -103,8 +104,9 @@ def map_variables(fn: Callable[..., Any], mapped_collections,
              for s in jax.tree_util.tree_leaves(
                  scopes, is_leaf=lambda x: isinstance(x, Scope))):
         fn(scopes, *args, **kwargs)
-        target, _ = repack_fn(scopes)
-        target = tuple(map_out_fn(x) for x in target)
+        created, _ = repack_fn(scopes)
+        target = tuple(_keep_read_only(given, map_out_fn(made))
+                       for given, made in zip(target, created))
     target = tuple(map_in_fn(thaw(x)) for x in target)
     narrow = True if writes_target else subtract(True, mapped_collections)
     scopes = make_scopes((target, other), rng_groups, mutable_filter=narrow)
@@ -123,6 +125,17 @@ def map_variables(fn: Callable[..., Any], mapped_collections,
               enable_kwargs=True)
 
 
+def _keep_read_only(given: dict, created: dict) -> dict:
+  """The mapped collections after map_variables' init pass.
+
+  The pass returns only the collections it could write; the read-only ones
+  it was given stay as they were (Linen drops them, so the body then finds
+  them empty: flax issue 2773).
+  """
+  kept = {col: x for col, x in given.items() if col not in created}
+  return {**kept, **created}
+
+
 def swap_collection(fn: Callable[..., Any], col_a: str, col_b: str):
   """Runs ``fn`` with collections ``col_a`` and ``col_b`` exchanged."""
 
@@ -133,6 +146,27 @@ def swap_collection(fn: Callable[..., Any], col_a: str, col_b: str):
     return target
 
   return map_variables(fn, (col_a, col_b), swap, swap, mutable=True)
+
+
+@contextlib.contextmanager
+def axis_owner(transform: str):
+  """Names ``transform`` in a ``PartitioningUnspecifiedError`` raised inside.
+
+  The innermost transform that adds or removes the axis names itself; an
+  error already naming one passes through unchanged.
+
+  Args:
+    transform: the name the error's advice gives, e.g. ``'nn.scan'``.
+
+  Yields:
+    Nothing; the block runs as it is.
+  """
+  try:
+    yield
+  except errors.PartitioningUnspecifiedError as e:
+    if e.transform is not None:
+      raise
+    raise errors.PartitioningUnspecifiedError(e.target, transform) from None
 
 
 # -- vmap ---------------------------------------------------------------------------
@@ -170,9 +204,10 @@ def vmap(fn: Callable[..., Any], variable_axes: Mapping, split_rngs: Mapping,
 
   def inner(make_scopes, repack_fn, variable_groups, rng_groups, *args):
     scopes = outer_scopes(make_scopes)
-    variable_groups = tuple(
-        meta.remove_axis(group, axis, metadata_params) if axis is not None
-        else group for group, axis in zip(variable_groups, var_in_axes))
+    with axis_owner('vmap'):
+      variable_groups = tuple(
+          meta.remove_axis(group, axis, metadata_params) if axis is not None
+          else group for group, axis in zip(variable_groups, var_in_axes))
 
     size, source = infer_axis_size('vmap', 'batch size', 'inputs', in_axes,
                                    args, None, axis_size, 'axis_size')
@@ -209,9 +244,10 @@ def vmap(fn: Callable[..., Any], variable_axes: Mapping, split_rngs: Mapping,
         out_axes=(out_axes, var_out_axes), axis_name=axis_name,
         axis_size=axis_size, spmd_axis_name=spmd_axis_name)(
             variable_groups, rng_groups, args)
-    out_groups = tuple(
-        meta.add_axis(group, axis, metadata_params) if axis is not None
-        else group for group, axis in zip(out_groups, var_out_axes))
+    with axis_owner('vmap'):
+      out_groups = tuple(
+          meta.add_axis(group, axis, metadata_params) if axis is not None
+          else group for group, axis in zip(out_groups, var_out_axes))
     return y, out_groups
 
   return pack(inner, in_filters, out_filters, rng_filters, name='vmap')
@@ -225,7 +261,8 @@ def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable
          _split_transpose: bool = False,
          data_transform: Callable[..., Any] | None = None,
          metadata_params: dict = {},  # pylint: disable=dangerous-default-value
-         check_constancy_invariants: bool = True) -> Callable[..., Any]:
+         check_constancy_invariants: bool = True, *,
+         _axis_owner: str = 'scan') -> Callable[..., Any]:
   """``jax.lax.scan`` for scope functions ``fn(scope, carry, *xs) -> (carry, ys)``.
 
   Args:
@@ -251,6 +288,8 @@ def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable
       removed.
     check_constancy_invariants: trace the body once more to check that
       broadcast variables stay constant.
+    _axis_owner: the transform a missing partition name is blamed on
+      (``remat_scan`` loops through scan).
 
   Returns:
     ``f(scope, carry, *xs) -> (carry, ys)``.
@@ -276,9 +315,10 @@ def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable
                        'length= or scanned inputs.')
 
     broadcast_vars, carry_vars = variable_groups[0], variable_groups[1]
-    scan_vars, rng_groups = slice_groups(
-        'scan', scopes, variable_groups[2:], var_in_axes, rng_groups,
-        rng_splits, n, source, metadata_params)
+    with axis_owner(_axis_owner):
+      scan_vars, rng_groups = slice_groups(
+          'scan', scopes, variable_groups[2:], var_in_axes, rng_groups,
+          rng_splits, n, source, metadata_params)
 
     def body(broadcast_in, carry, scan_in, rngs, xs):
       carry_in, c = carry
@@ -323,8 +363,9 @@ def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable
         rng_replay=replay)
     broadcast_vars, (carry_vars, c), (ys, scan_out) = looped(
         broadcast_vars, (carry_vars, init), scan_vars, rng_groups, args)
-    scan_out = tuple(meta.add_axis(group, axis, metadata_params)
-                     for group, axis in zip(scan_out, var_out_axes))
+    with axis_owner(_axis_owner):
+      scan_out = tuple(meta.add_axis(group, axis, metadata_params)
+                       for group, axis in zip(scan_out, var_out_axes))
     return (c, ys), (broadcast_vars, carry_vars) + scan_out
 
   return pack(inner, (variable_broadcast, variable_carry) + in_filters,
@@ -622,7 +663,8 @@ def remat_scan(body_fn: Callable[..., Any], lengths: Sequence[int],
                policy: Callable[..., bool] | None = None,
                variable_broadcast: Any = False, variable_carry: Any = False,
                variable_axes: Mapping = {True: 0},  # pylint: disable=dangerous-default-value
-               split_rngs: Mapping = {True: True}  # pylint: disable=dangerous-default-value
+               split_rngs: Mapping = {True: True},  # pylint: disable=dangerous-default-value
+               metadata_params: Mapping | Sequence[Mapping] = {}  # pylint: disable=dangerous-default-value
                ) -> Callable[..., Any]:
   """Repeats ``body_fn`` ``prod(lengths)`` times as nested rematerialized scans.
 
@@ -637,14 +679,24 @@ def remat_scan(body_fn: Callable[..., Any], lengths: Sequence[int],
     variable_carry: collections threaded through the applications.
     variable_axes: ``{collection filter: axis}`` of the stacked collections.
     split_rngs: ``{rng filter: bool}``.
+    metadata_params: passed to boxed variables when a level adds its axis:
+      one mapping for every level, or a sequence of one per level
+      (outermost first).
 
   Returns:
     ``f(scope, carry) -> carry``.
+
+  Raises:
+    ValueError: ``metadata_params`` is a sequence whose length is not
+      ``len(lengths)``.
   """
+  per_level = level_metadata(metadata_params, lengths)
   level = functools.partial(scan, variable_broadcast=variable_broadcast,
                             variable_carry=variable_carry,
                             variable_axes=variable_axes,
-                            split_rngs=split_rngs)
+                            split_rngs=split_rngs,
+                            metadata_params=per_level[0],
+                            _axis_owner='remat_scan')
   if len(lengths) == 1:
     def once(scope, carry):
       return body_fn(scope, carry), ()
@@ -653,7 +705,33 @@ def remat_scan(body_fn: Callable[..., Any], lengths: Sequence[int],
   @functools.partial(remat, policy=policy, prevent_cse=False)
   def nested(scope, carry):
     carry = remat_scan(body_fn, lengths[1:], policy, variable_broadcast,
-                       variable_carry, variable_axes, split_rngs)(scope, carry)
+                       variable_carry, variable_axes, split_rngs,
+                       per_level[1:])(scope, carry)
     return carry, ()
 
   return lambda scope, c: level(nested, length=lengths[0])(scope, c)[0]
+
+
+def level_metadata(metadata_params: Mapping | Sequence[Mapping],
+                   lengths: Sequence[int]) -> tuple[Mapping, ...]:
+  """One ``metadata_params`` mapping per level of ``remat_scan``.
+
+  Args:
+    metadata_params: one mapping for all levels, or one per level.
+    lengths: the loop lengths, outermost first.
+
+  Returns:
+    A tuple of ``len(lengths)`` mappings.
+
+  Raises:
+    ValueError: a sequence of the wrong length.
+  """
+  if isinstance(metadata_params, Mapping):
+    return (metadata_params,) * len(lengths)
+  per_level = tuple(metadata_params)
+  if len(per_level) != len(lengths):
+    raise ValueError(
+        f'remat_scan: metadata_params has {len(per_level)} entries but '
+        f'lengths={tuple(lengths)} has {len(lengths)} levels; give one '
+        'mapping per level (outermost first), or one mapping for all.')
+  return per_level
