@@ -1,0 +1,49 @@
+"""The fuzz families, by the name ``--family=`` selects.
+
+Each is a ``harness.Family``: a generator of random programs (random models
+and random configurations of one feature) and the reference the feature
+must equal. A family's module is imported only by ``get``: a family that needs several
+devices runs in a process started with that many simulated CPU devices, and
+the soak's parent process starts no backend.
+"""
+import importlib
+
+from . import harness
+
+# name: (module, devices, seconds a program may take); the module defines
+# ``draw`` and ``check``.
+_FAMILIES = {
+    'linen': ('linen_family', 1, 120.0),
+    'stack': ('stack_family', 1, 120.0),
+}
+
+
+def names() -> list:
+  """Every family, in the order ``all`` runs them."""
+  return list(_FAMILIES)
+
+
+def devices(name: str) -> int:
+  """The simulated devices family ``name`` needs."""
+  return _FAMILIES[name][1]
+
+
+def limit_s(name: str) -> float:
+  """How long one program of family ``name`` may take."""
+  return _FAMILIES[name][2]
+
+
+def get(name: str) -> harness.Family:
+  """Family ``name`` (imports its module).
+
+  Args:
+    name: one of ``names()``.
+
+  Raises:
+    KeyError: an unknown family, naming the known ones.
+  """
+  if name not in _FAMILIES:
+    raise KeyError(f'unknown fuzz family {name!r}; known: {names()}')
+  module_name, n_devices, limit = _FAMILIES[name]
+  module = importlib.import_module(f'{__package__}.{module_name}')
+  return harness.Family(name, module.draw, module.check, n_devices, limit)
