@@ -13,6 +13,7 @@ False
 >>> subtract(True, 'params')
 DenyList(deny='params')
 """
+import abc
 import dataclasses
 from collections.abc import Iterable
 from typing import Any
@@ -23,14 +24,26 @@ Filter = Any  # bool | str | Iterable[str] | DenyList
 
 
 @dataclasses.dataclass(frozen=True)
-class DenyList:
+class DenyList(metaclass=abc.ABCMeta):
   """Matches every name that ``deny`` does not match.
+
+  Under liftmods.compat ``flax.core`` stays flax's, and Linen's API takes
+  its ``flax.core.scope.DenyList`` (keras' ``FlaxLayer`` passes one as
+  ``mutable``): a class named ``DenyList`` with a ``deny`` dataclass field is
+  an instance here too (``isinstance`` says so), without importing flax.
 
   Attributes:
     deny: the filter of the names not matched.
   """
 
   deny: Filter
+
+  @classmethod
+  def __subclasshook__(cls, other):
+    if cls is DenyList and other.__name__ == 'DenyList' and 'deny' in getattr(
+        other, '__dataclass_fields__', {}):
+      return True
+    return NotImplemented
 
 
 def in_filter(filter_like: Filter, name: str) -> bool:

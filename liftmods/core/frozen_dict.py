@@ -40,6 +40,16 @@ class FrozenDict(Mapping):
     self._dict = raw
     self._hash = None
 
+  @classmethod
+  def __subclasshook__(cls, other):
+    # flax.core.FrozenDict (flax.core stays flax's under liftmods.compat, and
+    # Linen's apply takes frozen variables) is a FrozenDict here too:
+    # recognised by its name and the Mapping protocol, without importing flax.
+    if cls is FrozenDict and other.__name__ == 'FrozenDict' and issubclass(
+        other, Mapping):
+      return True
+    return NotImplemented
+
   def __getitem__(self, key):
     return self._dict[key]
 
