@@ -11,10 +11,16 @@ partitioning metadata) and a Linen model inside an NNX module (``ToNNX``,
 and the same partition specs. The in-process tests below use
 ``import liftmods as nn`` with the bridge imported under the switch.
 """
+import flax.errors
+import flax.linen as fnn
+import jax
+import jax.numpy as jnp
 import pytest
 
+import liftmods as lnn
 from tests.compat import differential
-from tests.compat.nnx_bridge_side import PARTS
+from tests.compat.nnx_bridge_side import PARTS, X
+from treecheck import assert_identical
 
 
 @pytest.fixture(scope='module')
@@ -46,3 +52,68 @@ def test_partition_specs_survive_the_bridge(sides):
     spec = sides[side]["partitioning/specs['params']['nnx']['linear']"
                        "['kernel']"]
     assert str(spec) == "P('embed', 'mlp')", side
+
+
+def _to_nnx_outer(nn):
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from flax.nnx import bridge  # pylint: disable=import-outside-toplevel
+
+  class LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.BatchNorm(use_running_average=False, name='bn')(x)
+      return nn.Dense(2, name='out')(jnp.tanh(nn.Dense(4, name='hid')(x)))
+
+  class Outer(nnx.Module):
+    def __init__(self, *, rngs):
+      self.mlp = bridge.ToNNX(LinenMLP(), rngs=rngs)
+      self.head = nnx.Linear(2, 1, rngs=rngs)
+
+    def __call__(self, x):
+      return self.head(self.mlp(x, mutable=['batch_stats']))
+
+  return bridge.lazy_init(Outer(rngs=nnx.Rngs(0)), X)
+
+
+def _key_data(tree):
+  return jax.tree.map(
+      lambda a: jax.random.key_data(a) if jax.dtypes.issubdtype(
+          a.dtype, jax.dtypes.prng_key) else a, tree)
+
+
+def test_to_nnx_takes_a_liftmods_model_without_the_switch():
+  """``import liftmods as nn`` in the same process as the real bridge:
+  ToNNX only calls the model's init/apply, so a liftmods model works as it
+  is, with the same state, output, updated statistics and gradients as the
+  flax.linen model."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  def run(nn):
+    model = _to_nnx_outer(nn)
+    _, split = nnx.split(model)
+    y = model(X)
+    grads = nnx.grad(lambda m: jnp.sum(m(X) ** 2))(model)
+    return _key_data((nnx.to_pure_dict(split), y,
+                      nnx.to_pure_dict(nnx.state(model)),
+                      nnx.to_pure_dict(grads)))
+
+  ours, theirs = run(lnn), run(fnn)
+  assert set(ours[0]['mlp']) == {'bn', 'hid', 'out', 'to_nnx__rngs'}
+  assert_identical(ours, theirs)
+
+
+def test_to_linen_of_the_real_bridge_needs_the_switch():
+  """Without the switch, flax's ToLinen is a flax.linen Module: it cannot
+  bind inside a liftmods model (the docs say to install the switch before
+  flax.nnx is imported)."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from flax.nnx import bridge  # pylint: disable=import-outside-toplevel
+
+  class Model(lnn.Module):
+    @lnn.compact
+    def __call__(self, x):
+      return bridge.ToLinen(nnx.Linear, args=(3, 2))(x)
+
+  assert not issubclass(bridge.ToLinen, lnn.Module)
+  with pytest.raises(flax.errors.CallCompactUnboundModuleError):
+    Model().init(jax.random.key(0), X)
