@@ -29,9 +29,6 @@ _SHARED = {
               "flax.struct stays flax's",
     'FlaxId': "flax.ids.FlaxId, the class of Linen's module ids; liftmods "
               'numbers its modules with plain integers and has no id class',
-    'LazyRng': "flax.core.scope.LazyRng, Linen's lazily folded key; "
-               "liftmods' is liftmods.core.rngs.LazyKey (other fields), and "
-               'a LazyRng passed in as an rng is accepted',
 }
 
 

@@ -14,6 +14,15 @@ from liftmods.layers.weight_norms import SpectralNorm, WeightNorm
 from liftmods.module import Module, compact, merge_param
 from liftmods.transforms import map_variables
 
+# Linen's private helpers under their Linen names, with Linen's signatures
+# and results: layers written outside Linen build on them (sbx's BatchRenorm
+# imports _canonicalize_axes, _compute_stats and _normalize).
+from liftmods.layers.normalization import (  # pylint: disable=unused-import
+    abs_sq as _abs_sq, canonicalize_axes as _canonicalize_axes,
+    compute_stats as _compute_stats, normalize as _normalize)
+from liftmods.layers.weight_norms import (  # pylint: disable=unused-import
+    l2_normalize as _l2_normalize)
+
 # Type aliases Linen code imports from this module (flax.linen.normalization).
 from liftmods.typing import (  # pylint: disable=unused-import
     Array, Axes, Dtype, Initializer, PRNGKey, Shape)

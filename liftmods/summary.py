@@ -43,7 +43,7 @@ and the table ends with per-collection totals.
 import dataclasses
 import math
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -161,6 +161,143 @@ def module_calls(module: Module, rngs: PRNGKey | RNGSequences, args: tuple,
       seen.add(c.path)
       first.append(c)
   return first
+
+
+# -- Linen's Row and Table: the table as data ----------------------------------
+
+
+@dataclasses.dataclass
+class Row:
+  """One row of the table as data, with the fields of Linen's ``Row``.
+
+  Code that builds its own columns or reports reads these (through
+  :func:`module_table`, or Linen's private ``_get_module_table``).
+
+  Attributes:
+    path: the module's path.
+    module_copy: an unbound copy of the module.
+    method: the name of the method called.
+    inputs: the call's inputs (one argument alone, several as a tuple, the
+      keyword arguments as a dict at the end), arrays as
+      ``jax.ShapeDtypeStruct``.
+    outputs: the call's output, arrays as ``jax.ShapeDtypeStruct``.
+    module_variables: ``{collection: variables}`` of the module itself
+      (submodules' left out), as ``jax.ShapeDtypeStruct``.
+    counted_variables: the variables the row counts: ``module_variables``,
+      or at the ``depth`` cut the whole subtree's.
+    flops: the forward pass's FLOP estimate; -1 when not computed.
+    vjp_flops: the VJP's FLOP estimate; -1 when not computed.
+  """
+  path: tuple[str, ...]
+  module_copy: Module
+  method: str
+  inputs: Any
+  outputs: Any
+  module_variables: dict[str, dict[str, Any]]
+  counted_variables: dict[str, dict[str, Any]]
+  flops: int
+  vjp_flops: int
+
+  def size_and_bytes(self,
+                     collections: Iterable[str]) -> dict[str, tuple[int, int]]:
+    """Counted parameters and bytes per collection.
+
+    Args:
+      collections: the collections to count (absent ones count ``(0, 0)``).
+
+    Returns:
+      ``{collection: (number of parameters, bytes)}``.
+    """
+    return {col: _size_and_bytes(self.counted_variables.get(col, {}))
+            for col in collections}
+
+
+class Table(list):
+  """The rows of a table (a ``list`` of :class:`Row`), as Linen's ``Table``.
+
+  Args:
+    module: the module tabulated.
+    collections: the variable collections of its ``init``.
+    rows: the rows.
+  """
+
+  def __init__(self, module: Module, collections: Sequence[str],
+               rows: Iterable[Row]):
+    super().__init__(rows)
+    self.module = module
+    self.collections = collections
+
+
+def module_table(module: Module, depth: int | None = None,
+                 show_repeated: bool = False, compute_flops: bool = False,
+                 compute_vjp_flops: bool = False) -> Callable[..., Table]:
+  """A function with ``init``'s signature that returns the :class:`Table`.
+
+  The rows are those :func:`tabulate` draws (Linen's ``_get_module_table``,
+  under that name too).
+
+  Args:
+    module: the module.
+    depth: as for :func:`tabulate`.
+    show_repeated: as for :func:`tabulate`.
+    compute_flops: fill each row's ``flops`` (else -1).
+    compute_vjp_flops: fill each row's ``vjp_flops`` (else -1).
+
+  Returns:
+    ``fn(rngs, *args, **kwargs) -> Table``.
+  """
+
+  def table_fn(rngs, *args, **kwargs) -> Table:
+    calls, variables = _record_init(module, rngs, args, kwargs)
+    rows = [Row(row.call.path, row.call.module.copy(parent=None),
+                row.call.method, _inputs(row.call.args, row.call.kwargs),
+                row.call.outputs, row.own, row.counted,
+                *_row_flops(row.call, rngs, compute_flops, compute_vjp_flops))
+            for row in _rows(calls, variables, depth, show_repeated)]
+    return Table(module, tuple(variables), rows)
+
+  return table_fn
+
+
+def _row_flops(call, rngs, forward: bool, vjp: bool) -> tuple[int, int]:
+  return (_call_flops(call, rngs, False) if forward else -1,
+          _call_flops(call, rngs, True) if vjp else -1)
+
+
+def path_variables(path: tuple[str, ...], variables: Mapping) -> dict:
+  """The variables at ``path``, per collection (Linen's
+  ``_get_path_variables``).
+
+  Args:
+    path: a module path.
+    variables: ``{collection: tree}``.
+
+  Returns:
+    ``{collection: plain-dict copy of the tree at path}`` for the
+    collections that have it.
+  """
+  return {col: unfreeze(tree) for col, tree in _at_path(variables,
+                                                         path).items()}
+
+
+def module_variables(path: tuple[str, ...], variables: Mapping,
+                     all_paths: set) -> tuple[dict, dict]:
+  """The variables at ``path`` split into the module's own and its
+  submodules' (Linen's ``_get_module_variables``).
+
+  Args:
+    path: a module path.
+    variables: ``{collection: tree}``.
+    all_paths: the paths of every module called; an entry under ``path``
+      whose path is among them belongs to a submodule.
+
+  Returns:
+    ``(own, submodules)``, each ``{collection: {name: ...}}``.
+  """
+  own = path_variables(path, variables)
+  subs = {col: {k: tree.pop(k) for k in list(tree) if path + (k,) in all_paths}
+          for col, tree in own.items()}
+  return own, subs
 
 
 def _call_flops(call: ModuleCall, rngs, vjp: bool) -> int:
@@ -432,7 +569,6 @@ from liftmods.typing import (  # pylint: disable=unused-import
 import enum
 import io
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -448,16 +584,23 @@ _NOT_A_DEPENDENCY = ('a dependency of flax that liftmods does not have (it '
 from liftmods import linen_names  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _LINEN_ONLY = {
-    **linen_names.shared('LazyRng'),
-    'Row': "the record of one row of Linen's table, filled from its own "
-           "call capture; liftmods' table is built from ModuleCall records "
-           '(record_calls, module_calls) and has no Row',
-    'Table': "the list of Rows Linen's table is rendered from; liftmods' "
-             'table is built from ModuleCall records (record_calls, '
-             'module_calls) and has no Table',
     'rich': f'the rich module, {_NOT_A_DEPENDENCY}',
     'yaml': f'the yaml module (PyYAML), {_NOT_A_DEPENDENCY}',
+    '_get_call_flops': "takes Linen's _CallInfo record of a call, which "
+                       "liftmods' call recording does not make (its "
+                       "ModuleCall has no rngs or mutable); module_table's "
+                       'compute_flops fills each Row.flops instead',
 }
+
+# Linen's rng wrapper, which its summary imports (flax.core.scope.LazyRng).
+from liftmods.core.rngs import LazyRng  # pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
+
+# Linen's private helpers that code building its own summaries imports, under
+# their Linen names.
+_get_module_table = module_table
+_get_module_variables = module_variables
+_get_path_variables = path_variables
+_process_inputs = _inputs
 
 
 __getattr__ = linen_names.not_provided(__name__, 'flax.linen.summary',

@@ -1118,11 +1118,14 @@ _JIT_ONLY = ("a step of Linen's nn.jit, which caches the transformed function "
              "per module; liftmods' nn.jit (jit_transform.py) keys its own "
              'cache and has no such step')
 
+# Linen's rng wrapper, which its transforms import (flax.core.scope.LazyRng).
+from liftmods.core.rngs import LazyRng  # pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
+
 # Names of flax.linen.transforms that mean nothing in liftmods, and why.
 from liftmods import linen_names  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _LINEN_ONLY = {
-    **linen_names.shared('struct', 'FlaxId', 'LazyRng'),
+    **linen_names.shared('struct', 'FlaxId'),
     'clean_clone': 'a helper Linen no longer calls that strips the scopes '
                    'from a module and its children in place; liftmods keeps '
                    'children in private state, and Module.unbind() or '

@@ -14,8 +14,10 @@ default derivation bit for bit, so the same seed gives the same parameters.
 >>> seq.materialize().shape
 ()
 """
+import dataclasses
 import functools
 import hashlib
+from typing import Any
 
 import jax
 import numpy as np
@@ -70,6 +72,60 @@ class LazyKey:
 
   def __repr__(self):
     return f'LazyKey({self.key}, suffix={self.suffix})'
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class LazyRng:
+  """Linen's lazily folded key (``flax.core.scope.LazyRng``): a pytree whose
+  child is the root key and whose static part is the suffix.
+
+  Accepted wherever an rng is (as :class:`LazyKey` with the same suffix).
+
+  Attributes:
+    rng: the root PRNG key.
+    suffix: the names and counters still to be folded into ``rng``.
+  """
+  rng: Any
+  suffix: tuple = ()
+
+  def as_jax_rng(self) -> jax.Array:
+    """Returns the key with the suffix folded in, as Linen folds it."""
+    return fold_static(self.rng, tuple(self.suffix))
+
+  @staticmethod
+  def create(rng: Any, *suffix: str | int) -> 'LazyRng':
+    """A LazyRng over ``rng``, a key or a LazyRng whose suffix it extends.
+
+    Args:
+      rng: a PRNG key, or a LazyRng (liftmods' or flax's).
+      *suffix: names and counters appended to the suffix.
+
+    Returns:
+      The LazyRng.
+    """
+    if type(rng).__name__ == 'LazyRng':
+      return LazyRng(rng.rng, tuple(rng.suffix) + suffix)
+    return LazyRng(rng, suffix)
+
+  def clear_suffix(self) -> 'LazyRng':
+    """Returns a LazyRng of the same root key with an empty suffix."""
+    return LazyRng(self.rng, ())
+
+  def replace(self, **changes: Any) -> 'LazyRng':
+    """Returns a copy with ``changes`` (field: value) applied.
+
+    Args:
+      **changes: new values of ``rng`` and/or ``suffix``.
+    """
+    return dataclasses.replace(self, **changes)
+
+  def tree_flatten(self):
+    return (self.rng,), tuple(self.suffix)
+
+  @classmethod
+  def tree_unflatten(cls, suffix, children):
+    return cls(children[0], suffix)
 
 
 def as_lazy(name: str, rng, entry: str = 'apply') -> LazyKey:

@@ -42,6 +42,10 @@ def _l2_normalize(x, axis=None, eps=1e-12):
   return x * jax.lax.rsqrt((x * x).sum(axis=axis, keepdims=True) + eps)
 
 
+# Public name for liftmods.normalization, which gives it Linen's (_l2_normalize).
+l2_normalize = _l2_normalize
+
+
 def _param_path(layer: Module, path) -> str:
   """``layer_name/a/b`` for the parameter at ``path`` (collection first)."""
   keys = [getattr(k, 'key', getattr(k, 'name', k)) for k in path[1:]]

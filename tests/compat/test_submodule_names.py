@@ -59,8 +59,6 @@ _STRUCT = "flax.struct is flax's own module, not Linen's; it stays flax's"
 _JAX_PRIVATE = ('a jax._src module: liftmods reaches private JAX only '
                 'through liftmods.jax_private')
 _JIT_STEP = "a step of Linen's nn.jit cache; liftmods' nn.jit has its own"
-_LAZY_RNG = ("flax.core.scope.LazyRng; liftmods' lazy key is "
-             'liftmods.core.rngs.LazyKey, with other fields')
 
 # Names of Linen's submodules that mean nothing in liftmods, with why.
 NOT_PROVIDED = {
@@ -99,18 +97,12 @@ NOT_PROVIDED = {
         'struct': _STRUCT,
     },
     'summary': {
-        'Row': "a row record of Linen's table; liftmods' table is built "
-               'from ModuleCall records',
-        'Table': "the list of Rows Linen's table renders; liftmods' table "
-                 'is built from ModuleCall records',
-        'LazyRng': _LAZY_RNG,
         'rich': f'rich, {_NOT_A_DEPENDENCY}',
         'yaml': f'PyYAML, {_NOT_A_DEPENDENCY}',
     },
     'transforms': {
         'FlaxId': "the class of Linen's module ids; liftmods numbers its "
                   'modules with plain integers',
-        'LazyRng': _LAZY_RNG,
         'struct': _STRUCT,
         'clean_clone': 'a helper Linen no longer calls',
         'fork_rngs': _JIT_STEP,
@@ -532,9 +524,9 @@ def test_every_submodule_imports_under_the_switch():
       importlib.import_module('flax.linen.experimental')
     with pytest.raises(AttributeError, match='typing-only field specifier'):
       importlib.import_module('flax.linen.module').module_field  # pylint: disable=expression-not-assigned
-    with pytest.raises(ImportError, match="'flax.linen.summary.Row'.*liftmods"
-                       r"' table is built from ModuleCall records"):
-      exec('from flax.linen.summary import Row', {})  # pylint: disable=exec-used
+    with pytest.raises(ImportError, match="'flax.linen.summary.rich'.*the "
+                       'rich module, a dependency of flax'):
+      exec('from flax.linen.summary import rich', {})  # pylint: disable=exec-used
   for sub, (module, found) in imported.items():
     ours = getattr(liftmods, sub)
     assert module.__name__ == f'flax.linen.{sub}'
