@@ -19,6 +19,7 @@ True
 """
 import dataclasses
 import functools
+import inspect
 import types
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -299,11 +300,41 @@ caching.register('jit_transform.unbound_jit', caching.Policy(
 # -- lifting -------------------------------------------------------------------
 
 
+def static_names(fn: Callable[..., Any],
+                 trafo_kwargs: dict[str, Any]) -> dict[str, Any]:
+  """``nn.jit``'s arguments with ``static_argnames`` completed as
+  ``jax.jit`` completes them: given only ``static_argnums``, the parameters
+  of ``fn`` at those positions (``self`` is 0) are static when passed by
+  keyword too (Linen traces them then: flax issue 3171).
+
+  Args:
+    fn: the method's function, ``self`` first.
+    trafo_kwargs: ``nn.jit``'s arguments.
+
+  Returns:
+    ``trafo_kwargs``, or a copy with the names added.
+  """
+  nums = trafo_kwargs.get('static_argnums', ())
+  nums = (nums,) if isinstance(nums, int) else tuple(nums)
+  if not nums or trafo_kwargs.get('static_argnames'):
+    return trafo_kwargs
+  try:
+    params = list(inspect.signature(fn).parameters.values())
+  except (TypeError, ValueError):  # no signature to read
+    return trafo_kwargs
+  by_keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD,)
+  names = tuple(params[i].name for i in nums
+                if 0 <= i < len(params) and params[i].kind in by_keyword)
+  return {**trafo_kwargs, 'static_argnames': names} if names else trafo_kwargs
+
+
 def _jit_lift(fn, fn_name, cls, trafo_kwargs, transform=lift.jit):
   """``fn(module, *args)`` under a lifted jit whose compile cache is keyed
   by the module's configuration (so repeated applies hit it). With
   ``transform=lift.fold_rngs``: the same rng handling, without compiling."""
   core = unbound = None
+  if transform is lift.jit:
+    trafo_kwargs = static_names(fn, trafo_kwargs)
 
   def scope_fn(scopes, module_key, *args, **kwargs):
     return call_on_scopes(module_key.module, fn, fn_name, scopes, args,
@@ -354,7 +385,8 @@ def _lift_jit(target, methods, kwargs, name, transform):
     call = method_args(methods, (), kwargs).get('__call__')
     if transform is lift.jit and call is not None:
       cls = lifted.func if isinstance(lifted, functools.partial) else lifted
-      cls._fast_apply = fast_apply_for(cls, call[1])
+      cls._fast_apply = fast_apply_for(
+          cls, static_names(target.__call__, call[1]))
     return lifted
   if callable(target) and not isinstance(target, Module):
     fn = wrap_method(target)

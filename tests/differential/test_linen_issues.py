@@ -158,3 +158,38 @@ def test_2773_map_variables_init_true_applies_with_mutable_batch_stats():
   y_ref, state_ref = _signed_dense_bn(fnn, mapped=False).apply(
       signed, x, mutable=['batch_stats'])
   assert_identical((y, state), (y_ref, state_ref))
+
+
+# -- flax 3171: nn.jit's static_argnums and arguments passed by keyword -------
+
+
+def _dropout_model(nn):
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x, training: bool):
+      x = nn.Dense(3)(x)
+      return nn.Dropout(rate=0.5, deterministic=not training)(x)
+  return nn.jit(Model, static_argnums=2)
+
+
+def test_3171_jit_static_argnums_cover_keyword_arguments():
+  """Linen traces ``training`` when it is passed by keyword; jax.jit (and
+  liftmods) treat the parameter at a static position as static either way,
+  giving Linen's results for the positional call."""
+  x, keys = X3, {'params': KEY, 'dropout': jax.random.key(1)}
+  with pytest.raises(jax.errors.TracerBoolConversionError):
+    _dropout_model(fnn)().init(keys, x, training=False)
+
+  theirs = _dropout_model(fnn)()
+  ref_vars = theirs.init(keys, x, False)
+  ref_train = theirs.apply(ref_vars, x, True, rngs={'dropout': KEY})
+  ref_eval = theirs.apply(ref_vars, x, False)
+
+  ours = _dropout_model(lnn)()
+  variables = ours.init(keys, x, training=False)
+  assert_identical(variables, ref_vars)
+  assert_identical(ours.apply(variables, x, training=True,
+                              rngs={'dropout': KEY}), ref_train)
+  assert_identical(ours.apply(variables, x, training=False), ref_eval)
+  assert_identical(ours.apply(variables, x, True, rngs={'dropout': KEY}),
+                   ref_train)
