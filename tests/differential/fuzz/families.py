@@ -15,6 +15,7 @@ from . import harness
 _FAMILIES = {
     'linen': ('linen_family', 1, 120.0),
     'stack': ('stack_family', 1, 120.0),
+    'attention': ('attention_family', 1, 60.0),
 }
 
 
