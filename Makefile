@@ -13,10 +13,12 @@ ifeq ($(strip $(VENV)),)
 PYTHON := $(PY)
 STAMP :=
 DOCS_STAMP :=
+COMPAT_STAMP :=
 else
 PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.docs-installed
+COMPAT_STAMP := $(VENV)/.compat-extra-installed
 endif
 
 $(VENV)/.installed: pyproject.toml
@@ -28,6 +30,12 @@ $(VENV)/.installed: pyproject.toml
 
 $(VENV)/.docs-installed: $(STAMP)
 	$(VENV)/bin/pip install -q -e '.[docs]' $(PINS)
+	touch $@
+
+# keras and sbx for the integration suite's differential tests (about 900 MB
+# with torch's CPU wheel); make test does not need them.
+$(VENV)/.compat-extra-installed: $(STAMP)
+	$(VENV)/bin/pip install -q -e '.[compat-extra]' $(PINS)
 	touch $@
 
 # A separate venv with libtpu, for compiling against TPU slices (tables of
@@ -56,7 +64,7 @@ test: $(STAMP)
 	$(PYTHON) -m pytest -n 2 --dist worksteal -m 'not integration' tests
 
 # End-to-end runs kept out of the ten-minute suite; CI runs both.
-test-integration: $(STAMP)
+test-integration: $(STAMP) $(COMPAT_STAMP)
 	$(PYTHON) -m pytest -n 2 --dist worksteal -m integration tests
 
 # The newest end of the support window: the newest Python 3.12+ here, in a
