@@ -16,6 +16,7 @@ _FAMILIES = {
     'linen': ('linen_family', 1, 120.0),
     'stack': ('stack_family', 1, 120.0),
     'attention': ('attention_family', 1, 60.0),
+    'lifted': ('lifted_family', 1, 60.0),
 }
 
 
