@@ -17,9 +17,15 @@ Cases (the parts each saves are listed in ``PARTS``):
   time, inside a Linen model applied with a ``dropout`` key;
 - ``scan``: the NNX layer inside ``nn.scan`` (parameters stacked, one key
   per layer) and inside ``nn.remat``: init, outputs and gradients;
+- ``stack``: the NNX layer as the block of ``nn.Stack(..., policy='full')``
+  on liftmods, and of the same stack written out for Linen
+  (``nn.scan(nn.remat(...))``, the layout ``nn.Stack`` keeps): init,
+  outputs, gradients;
 - ``partitioning``: NNX parameters made with ``nnx.with_partitioning``
   reach Linen as boxes whose partition spec is kept; the specs are saved as
-  strings;
+  strings. Those made with ``bridge.with_partitioning`` become Linen
+  ``Partitioned`` boxes, and under ``nn.scan`` with ``metadata_params`` the
+  layer axis joins their spec;
 - ``to_nnx``: a Linen model inside an NNX module through ``ToNNX`` and
   ``lazy_init``; ``nnx.split`` of the result, its output, and ``nnx.grad``
   of a loss.
@@ -37,7 +43,8 @@ PARTS = {
     'to_linen': ['init', 'y', 'state', 'grads', 'fn_init', 'class_init'],
     'rngs': ['init', 'y'],
     'scan': ['init', 'y', 'grads', 'remat_init', 'remat_y'],
-    'partitioning': ['specs', 'init'],
+    'stack': ['init', 'y', 'grads'],
+    'partitioning': ['specs', 'init', 'scan_specs', 'scan_init'],
     'to_nnx': ['split', 'y', 'state', 'grads', 'linen_init'],
 }
 
@@ -179,6 +186,45 @@ def scan(out):
        Rematted().apply(variables, X, mutable=['batch_stats']), out)
 
 
+def stack(out):
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  from flax.nnx import bridge  # pylint: disable=import-outside-toplevel
+  _, counted, _, _ = _layers()
+
+  class Block(nn.Module):
+    pair: bool = False  # what nn.scan's body returns
+
+    @nn.compact
+    def __call__(self, x):
+      y = bridge.ToLinen(counted, args=(3, 3), name='nnx')(x)
+      return (y, None) if self.pair else y
+
+  class Stacked(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      if hasattr(nn, 'Stack'):  # liftmods
+        return nn.Stack(Block, 3, policy='full')(name='layers')(x)
+      layers = nn.scan(nn.remat(Block),
+                       variable_axes={'params': 0, 'batch_stats': 0},
+                       split_rngs={'params': True}, length=3,
+                       metadata_params={nn.PARTITION_NAME: 'layers'})
+      return layers(pair=True, name='layers')(x)[0]
+
+  variables = Stacked().init(jax.random.key(0), X)
+  flat('stack/init', variables, out)
+  flat('stack/y', Stacked().apply(variables, X, mutable=['batch_stats']), out)
+  flat('stack/grads',
+       _loss_grads(Stacked(), variables, X, mutable=['batch_stats']), out)
+
+
+def _save_specs(prefix, variables, out):
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  specs = nn.get_partition_spec(variables)
+  for path, spec in jax.tree_util.tree_flatten_with_path(
+      specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))[0]:
+    out[prefix + jax.tree_util.keystr(path)] = np.asarray(str(spec))
+
+
 def partitioning(out):
   import flax.linen as nn  # pylint: disable=import-outside-toplevel
   from flax.nnx import bridge  # pylint: disable=import-outside-toplevel
@@ -198,12 +244,40 @@ def partitioning(out):
     variables = Model().init(jax.random.key(0), X)
   finally:
     flax.config.update('flax_always_shard_variable', shard_eagerly)
-  specs = nn.get_partition_spec(variables)
-  for path, spec in jax.tree_util.tree_flatten_with_path(
-      specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))[0]:
-    out['partitioning/specs' + jax.tree_util.keystr(path)] = np.asarray(
-        str(spec))
+  _save_specs('partitioning/specs', variables, out)
   flat('partitioning/init', nn.meta.unbox(variables), out)
+
+  nnx = _layers()[0]
+
+  class LinenBoxed(nnx.Module):
+    def __init__(self, din, dout, *, rngs):
+      kernel = bridge.with_partitioning(nnx.initializers.lecun_normal(),
+                                        ('embed', 'mlp'))
+      self.linear = nnx.Linear(din, dout, kernel_init=kernel, rngs=rngs)
+
+    def __call__(self, x):
+      return self.linear(x)
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return bridge.ToLinen(LinenBoxed, args=(3, 3), name='nnx')(x), None
+
+  class Scanned(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      layers = nn.scan(Block, variable_axes={'params': 0},
+                       split_rngs={'params': True}, length=2,
+                       metadata_params={nn.PARTITION_NAME: 'layers'})
+      return layers(name='layers')(x)[0]
+
+  flax.config.update('flax_always_shard_variable', False)
+  try:
+    variables = Scanned().init(jax.random.key(0), X)
+  finally:
+    flax.config.update('flax_always_shard_variable', shard_eagerly)
+  _save_specs('partitioning/scan_specs', variables, out)
+  flat('partitioning/scan_init', nn.meta.unbox(variables), out)
 
 
 def to_nnx(out):
@@ -235,7 +309,7 @@ def to_nnx(out):
   flat('to_nnx/linen_init', LinenMLP().init(jax.random.key(0), X), out)
 
 
-CASES = {'to_linen': to_linen, 'rngs': rngs, 'scan': scan,
+CASES = {'to_linen': to_linen, 'rngs': rngs, 'scan': scan, 'stack': stack,
          'partitioning': partitioning, 'to_nnx': to_nnx}
 
 

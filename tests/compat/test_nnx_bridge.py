@@ -48,10 +48,17 @@ def test_the_nnx_state_moved(sides):
 
 
 def test_partition_specs_survive_the_bridge(sides):
+  """NNX sharding metadata reaches Linen's partition specs; a Linen
+  ``Partitioned`` box made by ``bridge.with_partitioning`` gains the layer
+  axis under ``nn.scan`` with ``metadata_params``."""
+  kernel = "['params']['nnx']['linear']['kernel']"
+  scanned = "['params']['layers']['nnx']['linear']['kernel']"
   for side in ('flax', 'liftmods'):
-    spec = sides[side]["partitioning/specs['params']['nnx']['linear']"
-                       "['kernel']"]
-    assert str(spec) == "P('embed', 'mlp')", side
+    assert str(sides[side]['partitioning/specs' + kernel]) == (
+        "P('embed', 'mlp')"), side
+    assert str(sides[side]['partitioning/scan_specs' + scanned]) == (
+        "P('layers', 'embed', 'mlp')"), side
+    assert sides[side]['partitioning/scan_init' + scanned].shape == (2, 3, 3)
 
 
 def _to_nnx_outer(nn):
