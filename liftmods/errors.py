@@ -430,17 +430,20 @@ class PartitioningUnspecifiedError(LiftError):
   known; the advice names its ``metadata_params`` argument only then.
   """
 
-  def __init__(self, target, transform: str | None = None):
+  def __init__(self, target, transform: str | None = None,
+               path: str | None = None):
     self.target = target
     self.transform = transform
+    self.path = path
     if transform is None:
       advice = ('-- the params given to add_axis/remove_axis must hold '
                 '{"partition_name": <axis name, or None for an unsharded '
                 'axis>}.')
     else:
+      at = f' at {path}' if path else ''
       advice = (f'-- pass metadata_params={{"partition_name": "layers"}} '
-                f'(or None for an unsharded axis) to {transform}, which '
-                'adds this axis.')
+                f'(or None for an unsharded axis) to {transform}{at}, '
+                'which adds this axis.')
     super().__init__(_join(
         'Trying to transform a Partitioned variable but "partition_name" is '
         f'not specified in metadata_params: {target}', advice))

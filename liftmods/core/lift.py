@@ -149,14 +149,15 @@ def swap_collection(fn: Callable[..., Any], col_a: str, col_b: str):
 
 
 @contextlib.contextmanager
-def axis_owner(transform: str):
+def axis_owner(transform: str, path: str | None = None):
   """Names ``transform`` in a ``PartitioningUnspecifiedError`` raised inside.
 
   The innermost transform that adds or removes the axis names itself; an
   error already naming one passes through unchanged.
 
   Args:
-    transform: the name the error's advice gives, e.g. ``'nn.scan'``.
+    transform: the name the error's advice gives, e.g. ``'scan'``.
+    path: the module path of the transformed scope, if known.
 
   Yields:
     Nothing; the block runs as it is.
@@ -166,7 +167,8 @@ def axis_owner(transform: str):
   except errors.PartitioningUnspecifiedError as e:
     if e.transform is not None:
       raise
-    raise errors.PartitioningUnspecifiedError(e.target, transform) from None
+    raise errors.PartitioningUnspecifiedError(e.target, transform,
+                                              path) from None
 
 
 # -- vmap ---------------------------------------------------------------------------
@@ -204,7 +206,7 @@ def vmap(fn: Callable[..., Any], variable_axes: Mapping, split_rngs: Mapping,
 
   def inner(make_scopes, repack_fn, variable_groups, rng_groups, *args):
     scopes = outer_scopes(make_scopes)
-    with axis_owner('vmap'):
+    with axis_owner('vmap', scopes[0].path_text):
       variable_groups = tuple(
           meta.remove_axis(group, axis, metadata_params) if axis is not None
           else group for group, axis in zip(variable_groups, var_in_axes))
@@ -244,7 +246,7 @@ def vmap(fn: Callable[..., Any], variable_axes: Mapping, split_rngs: Mapping,
         out_axes=(out_axes, var_out_axes), axis_name=axis_name,
         axis_size=axis_size, spmd_axis_name=spmd_axis_name)(
             variable_groups, rng_groups, args)
-    with axis_owner('vmap'):
+    with axis_owner('vmap', scopes[0].path_text):
       out_groups = tuple(
           meta.add_axis(group, axis, metadata_params) if axis is not None
           else group for group, axis in zip(out_groups, var_out_axes))
@@ -315,7 +317,7 @@ def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable
                        'length= or scanned inputs.')
 
     broadcast_vars, carry_vars = variable_groups[0], variable_groups[1]
-    with axis_owner(_axis_owner):
+    with axis_owner(_axis_owner, scopes[0].path_text):
       scan_vars, rng_groups = slice_groups(
           'scan', scopes, variable_groups[2:], var_in_axes, rng_groups,
           rng_splits, n, source, metadata_params)
@@ -363,7 +365,7 @@ def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable
         rng_replay=replay)
     broadcast_vars, (carry_vars, c), (ys, scan_out) = looped(
         broadcast_vars, (carry_vars, init), scan_vars, rng_groups, args)
-    with axis_owner(_axis_owner):
+    with axis_owner(_axis_owner, scopes[0].path_text):
       scan_out = tuple(meta.add_axis(group, axis, metadata_params)
                        for group, axis in zip(scan_out, var_out_axes))
     return (c, ys), (broadcast_vars, carry_vars) + scan_out

@@ -108,7 +108,8 @@ def test_3870_error_names_the_transform_and_what_it_accepts():
   with pytest.raises(errors.PartitioningUnspecifiedError) as info:
     _remat_scan_model(lnn, (2, 2)).init(KEY, X3)
   assert info.value.transform == 'remat_scan'
-  assert 'to remat_scan' in str(info.value)
+  assert info.value.path == '/layers'
+  assert 'to remat_scan at /layers,' in str(info.value)
   assert "('embed', 'mlp')" in str(info.value)
 
   class Vmapped(lnn.Module):
@@ -116,7 +117,8 @@ def test_3870_error_names_the_transform_and_what_it_accepts():
     def __call__(self, x):
       return lnn.vmap(_partitioned_block(lnn), variable_axes={'params': 0},
                       split_rngs={'params': True})(name='v')(x)
-  with pytest.raises(errors.PartitioningUnspecifiedError, match='to vmap'):
+  with pytest.raises(errors.PartitioningUnspecifiedError,
+                     match='to vmap at /v,'):
     Vmapped().init(KEY, X3)
 
   class Plain(lnn.Module):
