@@ -17,6 +17,7 @@ _FAMILIES = {
     'stack': ('stack_family', 1, 120.0),
     'attention': ('attention_family', 1, 60.0),
     'lifted': ('lifted_family', 1, 60.0),
+    'state': ('state_family', 1, 60.0),
 }
 
 
