@@ -649,7 +649,10 @@ def checkpoint(target: Target, variables: CollectionFilter = True,
     concrete: accepted for Linen compatibility; passed to the core transform.
     prevent_cse: keep XLA from merging the recomputation with the forward
       pass (as ``jax.checkpoint``'s option).
-    static_argnums: arguments treated as static; ``self`` counts as 0.
+    static_argnums: arguments treated as static; ``self`` counts as 0. The
+      parameters at those positions are static when passed by keyword too
+      (for ``__call__`` or a function target; Linen fails then, as
+      ``jax.checkpoint`` does).
     policy: a ``jax.checkpoint_policies`` rule for which values to save.
     methods: for a Module class, the methods to transform (None: only
       ``__call__``; a list of names; or ``{name: transform kwargs}``).
@@ -663,11 +666,33 @@ def checkpoint(target: Target, variables: CollectionFilter = True,
   """
   if isinstance(static_argnums, int):
     static_argnums = (static_argnums,)
+  names = _names_at(_signature_target(target, methods), static_argnums)
   static_argnums = tuple(i - 1 for i in static_argnums)
   return lift_transform(lift.checkpoint, 'checkpoint', target,
                         variables=variables, rngs=rngs, concrete=concrete,
                         static_argnums=static_argnums, prevent_cse=prevent_cse,
-                        policy=policy, methods=methods)
+                        policy=policy, methods=methods, static_argnames=names)
+
+
+def _signature_target(target: Any, methods: Methods) -> Any:
+  """The function whose parameters ``static_argnums`` count: ``__call__``
+  of a class lifted without ``methods``, or the target function."""
+  if is_module_class(target):
+    return target.__call__ if methods is None else None
+  return target if callable(target) else None
+
+
+def _names_at(fn: Any, argnums: Sequence[int]) -> tuple[str, ...]:
+  """The names of ``fn``'s parameters (``self`` or the module first) at
+  ``argnums`` that may be passed by keyword."""
+  if fn is None or not argnums:
+    return ()
+  try:
+    params = list(inspect.signature(fn).parameters.values())
+  except (TypeError, ValueError):  # no signature to read
+    return ()
+  return tuple(params[i].name for i in argnums if 0 <= i < len(params)
+               and params[i].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 remat = checkpoint

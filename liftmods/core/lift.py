@@ -616,7 +616,8 @@ def checkpoint(fn: Callable[..., Any], variables: Any = True,
                rngs: Any = True,
                concrete: bool = False, prevent_cse: bool = True,
                static_argnums: int | tuple = (),
-               policy: Callable[..., bool] | None = None) -> Callable[..., Any]:
+               policy: Callable[..., bool] | None = None,
+               static_argnames: Sequence[str] = ()) -> Callable[..., Any]:
   """``jax.checkpoint`` for scope functions.
 
   Intermediates of ``fn`` are recomputed in the backward pass instead of
@@ -631,6 +632,8 @@ def checkpoint(fn: Callable[..., Any], variables: Any = True,
     prevent_cse: as in ``jax.checkpoint``.
     static_argnums: static arguments, counting those after the scope from 0.
     policy: a ``jax.checkpoint_policies`` rule.
+    static_argnames: keyword arguments that are static when passed
+      (``jax.checkpoint`` has no such option: they are bound outside it).
 
   Returns:
     The rematerialized ``f(scope, *args)``.
@@ -643,11 +646,15 @@ def checkpoint(fn: Callable[..., Any], variables: Any = True,
           'checkpoint(concrete=True) is not supported by JAX any more; use '
           'static_argnums.')
     shifted = jax.tree_util.tree_map(lambda i: i + 2, static_argnums)
+    static_kwargs = {k: kwargs.pop(k) for k in static_argnames if k in kwargs}
+    if static_kwargs:  # their positions are not among the positional args
+      shifted = tuple(i for i in jax.tree_util.tree_leaves(shifted)
+                      if i < 2 + len(args))
 
     @functools.wraps(fn)
     def rematted(variable_groups, rng_groups, *args, **kwargs):
       scope = make_scopes(variable_groups, rng_groups)
-      y = fn(scope, *args, **kwargs)
+      y = fn(scope, *args, **kwargs, **static_kwargs)
       return y, repack_fn(scope)
 
     return jax.checkpoint(rematted, prevent_cse=prevent_cse, policy=policy,

@@ -195,3 +195,44 @@ def test_3171_jit_static_argnums_cover_keyword_arguments():
   assert_identical(ours.apply(variables, x, training=False), ref_eval)
   assert_identical(ours.apply(variables, x, True, rngs={'dropout': KEY}),
                    ref_train)
+
+
+# -- nn.remat's static_argnums and arguments passed by keyword -----------------
+# (no flax issue found for the keyword form; jax.checkpoint fails the same
+# way, jax-ml/jax issue 18405)
+
+
+def _remat_block(nn):
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, deterministic):
+      x = nn.Dense(3)(x)
+      if not deterministic:
+        x = nn.Dropout(0.5, deterministic=False)(x)
+      return x
+  return nn.remat(Block, static_argnums=(2,))
+
+
+def test_remat_static_argnums_cover_keyword_arguments():
+  """Linen passes the keyword on to jax.checkpoint, whose static_argnums
+  then point past the positional arguments (ValueError); liftmods binds it
+  statically, giving Linen's results for the positional call, gradients
+  included."""
+  keys = {'params': KEY, 'dropout': jax.random.key(1)}
+  with pytest.raises(ValueError, match='static_argnums'):
+    _remat_block(fnn)().init(keys, X3, deterministic=True)
+
+  theirs, ours = _remat_block(fnn)(), _remat_block(lnn)()
+  variables = ours.init(keys, X3, deterministic=False)
+  assert_identical(variables, theirs.init(keys, X3, False))
+  rngs = {'dropout': KEY}
+
+  def loss(model, params, **kwargs):
+    return jnp.sum(model.apply({'params': params}, X3, rngs=rngs, **kwargs))
+
+  params = variables['params']
+  assert_identical(jax.grad(lambda p: loss(ours, p, deterministic=False))(
+      params), jax.grad(lambda p: jnp.sum(theirs.apply(
+          {'params': p}, X3, False, rngs=rngs)))(params))
+  assert_identical(ours.apply(variables, X3, deterministic=True),
+                   theirs.apply(variables, X3, True))
