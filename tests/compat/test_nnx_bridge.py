@@ -8,8 +8,8 @@ models (``ToLinen``, ``to_linen``, ``to_linen_class``; with a mutable
 collection, call-time rngs, inside ``nn.scan`` and ``nn.remat``; logical
 partitioning metadata) and a Linen model inside an NNX module (``ToNNX``,
 ``lazy_init``, ``nnx.split``, ``nnx.grad``) give the same arrays bit for bit
-and the same partition specs. The in-process tests below use
-``import liftmods as nn`` with the bridge imported under the switch.
+and the same partition specs (marked ``integration``). The in-process tests
+at the end use ``import liftmods as nn`` next to the real bridge.
 """
 import flax.errors
 import flax.linen as fnn
@@ -30,9 +30,14 @@ def sides(tmp_path_factory):
                                 fast_compiles=True)
 
 
-test_case_saved_its_parts, test_bit_identical = differential.part_tests(PARTS)
+# The two-process comparison is end-to-end (about 20 CPU-s): run by `make
+# test-integration`, like the other side-script suites; the in-process tests
+# at the end run in `make test`.
+test_case_saved_its_parts, test_bit_identical = (
+    pytest.mark.integration(test) for test in differential.part_tests(PARTS))
 
 
+@pytest.mark.integration
 def test_the_nnx_state_moved(sides):
   """The BatchStat counter and BatchNorm statistics were really updated
   (the mutable collections are written through the bridge both ways)."""
@@ -47,6 +52,7 @@ def test_the_nnx_state_moved(sides):
   assert (split != after).any()
 
 
+@pytest.mark.integration
 def test_partition_specs_survive_the_bridge(sides):
   """NNX sharding metadata reaches Linen's partition specs; a Linen
   ``Partitioned`` box made by ``bridge.with_partitioning`` gains the layer
