@@ -11,13 +11,15 @@ import importlib
 from . import harness
 
 # name: (module, devices, seconds a program may take); the module defines
-# ``draw`` and ``check``.
+# ``draw`` and ``check`` (``module:suffix``: ``draw_suffix``, ``check_suffix``).
 _FAMILIES = {
     'linen': ('linen_family', 1, 120.0),
     'stack': ('stack_family', 1, 120.0),
     'attention': ('attention_family', 1, 60.0),
     'lifted': ('lifted_family', 1, 60.0),
     'state': ('state_family', 1, 60.0),
+    'sharded_init': ('spmd_family:init', 8, 120.0),
+    'shard_map': ('spmd_family:map', 8, 120.0),
 }
 
 
@@ -48,5 +50,8 @@ def get(name: str) -> harness.Family:
   if name not in _FAMILIES:
     raise KeyError(f'unknown fuzz family {name!r}; known: {names()}')
   module_name, n_devices, limit = _FAMILIES[name]
+  module_name, _, suffix = module_name.partition(':')
   module = importlib.import_module(f'{__package__}.{module_name}')
-  return harness.Family(name, module.draw, module.check, n_devices, limit)
+  suffix = f'_{suffix}' if suffix else ''
+  return harness.Family(name, getattr(module, 'draw' + suffix),
+                        getattr(module, 'check' + suffix), n_devices, limit)

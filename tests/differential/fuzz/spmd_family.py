@@ -1,0 +1,294 @@
+"""Families on 8 simulated CPU devices: ``init_sharded`` and ``nn.shard_map``.
+
+Imported only in a process started with 8 devices (``families.get``; the
+soak's worker, or a cases file run by ``multidevice.assert_cases_pass``).
+
+- ``sharded_init``: a random stack of Dense / LayerNorm layers whose
+  variables carry random logical names, random rules and a random mesh over
+  the 8 devices (1 to 3 axes, Auto or Explicit). ``nn.init_sharded`` must
+  give ``jax.jit(model.init)``'s values bit for bit, each array placed as
+  Linen's ``logical_to_mesh_axes`` says (the oracle), and the returned
+  shardings equal the arrays'. A dimension its mesh axes do not divide must
+  raise ``ShardingDivisibilityError``.
+- ``shard_map``: a random per-shard block (layers, optionally a ``pmean``
+  over the batch axes) under ``nn.shard_map`` with a random mesh, batch
+  spec and ``axis_names`` subset, against a hand-written ``jax.shard_map``
+  of ``Block().apply`` on the same parameters: outputs and gradients
+  allclose, the same output sharding, and no more per-device flops
+  (``cost_analysis``) than the hand-written one. Batches the mesh axes do
+  not divide must raise a ``ValueError`` on both.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from . import compare, programs
+
+MESHES = (((8,), ('data',)), ((4, 2), ('data', 'model')),
+          ((2, 4), ('data', 'model')), ((2, 2, 2), ('data', 'model', 'x')),
+          ((1, 8), ('data', 'model')))
+NAMES = ('embed', 'mlp', 'heads', None)
+TARGETS = (None, 'data', 'model', ('data', 'model'), 'x')
+
+
+def _mesh(shape, names, explicit):
+  kind = AxisType.Explicit if explicit else AxisType.Auto
+  return jax.make_mesh(shape, names, axis_types=(kind,) * len(names))
+
+
+# -- sharded_init -------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class InitProgram:
+  """Layers ``(kind, features, names)``, rules, mesh."""
+  layers: tuple
+  rules: tuple
+  mesh: int  # index into MESHES
+  explicit: bool
+  in_features: int
+
+
+def draw_init(c: programs.Chooser) -> InitProgram:
+  """A random model, rules and mesh."""
+  mesh = c.integer(0, len(MESHES) - 1)
+  axes = MESHES[mesh][1]
+  layers = []
+  for _ in range(c.integer(1, 3)):
+    kind = c.choice(['dense', 'dense', 'norm'])
+    first = c.choice(NAMES)
+    # A name twice in one array is refused (Linen too): now and then.
+    second = c.choice([n for n in NAMES if n != first or n is None]
+                      if c.boolean(0.9) else NAMES)
+    layers.append((kind, c.choice([8, 16, 4, 6]), (first, second)))
+  rules = []
+  for name in NAMES[:-1]:
+    if c.boolean(0.85):
+      target = c.choice([t for t in TARGETS if t is None or all(
+          a in axes for a in ((t,) if isinstance(t, str) else t))])
+      rules.append((name, target))
+  return InitProgram(tuple(layers), tuple(rules), mesh, c.boolean(0.3),
+                     c.choice([8, 4]))
+
+
+def _init_model(nn, prog: InitProgram):
+  """The module for ``prog`` (written with ``nn``)."""
+
+  class Model(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      features = x.shape[-1]
+      for kind, width, (a, b) in prog.layers:
+        if kind == 'norm':
+          x = nn.LayerNorm(scale_init=nn.with_logical_partitioning(
+              nn.initializers.ones, (b,)), bias_init=nn.with_logical_partitioning(
+                  nn.initializers.zeros, (b,)))(x)
+          continue
+        x = nn.Dense(width, kernel_init=nn.with_logical_partitioning(
+            nn.initializers.lecun_normal(), (a, b)),
+                     bias_init=nn.with_logical_partitioning(
+                         nn.initializers.normal(0.1), (b,)))(x)
+        features = width
+      del features
+      return x
+
+  return Model()
+
+
+def _divides(shape, spec, mesh) -> bool:
+  for dim, axes in zip(shape, spec):
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    if dim % int(np.prod([mesh.shape[a] for a in axes] or [1])):
+      return False
+  return True
+
+
+def check_init(prog: InitProgram) -> tuple:
+  """``init_sharded`` against ``jax.jit(init)`` and Linen's rules."""
+  import flax.linen as fnn  # pylint: disable=g-import-not-at-top
+  import liftmods as nn  # pylint: disable=g-import-not-at-top
+  mesh = _mesh(*MESHES[prog.mesh], prog.explicit)
+  model = _init_model(nn, prog)
+  x = jax.random.normal(jax.random.key(1), (4, prog.in_features))
+  key = jax.random.key(0)
+  boxed = jax.eval_shape(model.init, key, x)['params']
+  expected = {}
+  fits, linen_error = True, None
+  for path, box in jax.tree_util.tree_flatten_with_path(
+      boxed, is_leaf=lambda b: hasattr(b, 'names'))[0]:
+    try:
+      spec = fnn.logical_to_mesh_axes(box.names, prog.rules) or P()
+    except ValueError as e:  # a name twice in one array
+      linen_error = linen_error or e
+      continue
+    expected[jax.tree_util.keystr(path)] = spec
+    fits &= _divides(box.value.shape, spec, mesh)
+  try:
+    with jax.set_mesh(mesh) if prog.explicit else _null():
+      variables, shardings = nn.init_sharded(model, mesh, prog.rules,
+                                             warn_unmapped=False)(key, x)
+  except ValueError as e:
+    if linen_error is not None:
+      return 'both_raise', f'{type(e).__name__} (Linen: {linen_error})'
+    if not fits and isinstance(e, nn.errors.ShardingDivisibilityError):
+      return 'both_raise', 'ShardingDivisibilityError'
+    return 'mismatch', f'refused a valid model: {type(e).__name__}: {e}'
+  if linen_error is not None:
+    return 'mismatch', f'accepted what Linen refuses: {linen_error}'
+  if not fits:
+    return 'mismatch', 'accepted a dimension its mesh axes do not divide'
+  with jax.set_mesh(mesh) if prog.explicit else _null():
+    plain = jax.jit(model.init)(key, x)
+  plain = nn.meta.unbox(plain)
+  d = compare.diff_trees(compare._plain(plain), compare._plain(variables),  # pylint: disable=protected-access
+                         exact=True)
+  if d:
+    return 'mismatch', f'values: {d}'
+  got = jax.tree_util.tree_flatten_with_path(variables['params'])[0]
+  given = jax.tree_util.tree_leaves(shardings['params'])
+  for (path, value), sharding in zip(got, given):
+    name = jax.tree_util.keystr(path)
+    want = NamedSharding(mesh, expected[name])
+    if not value.sharding.is_equivalent_to(want, value.ndim):
+      return 'mismatch', (f'{name}: placed {value.sharding.spec}, rules say '
+                          f'{expected[name]}')
+    if not sharding.is_equivalent_to(want, value.ndim):
+      return 'mismatch', f'{name}: returned sharding {sharding.spec}'
+  return 'ok', ''
+
+
+class _null:  # pylint: disable=invalid-name
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return False
+
+
+# -- shard_map ------------------------------------------------------------------
+
+BLOCK_FEATURES = {f: False for f in programs.FEATURES}
+BLOCK_FEATURES.update({f: True for f in (
+    'dense', 'dense_general', 'layer_norm', 'rms_norm', 'activation',
+    'param', 'submodule', 'conv')})
+
+
+@dataclasses.dataclass(frozen=True)
+class MapProgram:
+  """A per-shard block and how it is mapped."""
+  src: str
+  mesh: int
+  explicit: bool
+  batch_axes: tuple   # mesh axes the batch is split over
+  manual: tuple | None  # axis_names (None: all)
+  pmean: bool
+  batch: int
+
+
+def draw_map(c: programs.Chooser) -> MapProgram:
+  """A random block, mesh, batch spec and manual axes."""
+  gen = programs.Generator(c, BLOCK_FEATURES, max_depth=2)
+  gen.node(c.integer(1, 2), len(programs.INPUT_SHAPE), pure=True,
+           name='Block')
+  mesh = c.integer(0, len(MESHES) - 1)
+  axes = MESHES[mesh][1]
+  manual = None if c.boolean(0.5) else tuple(
+      a for a in axes if c.boolean(0.6)) or axes[:1]
+  usable = axes if manual is None else manual
+  batch_axes = tuple(a for a in usable if c.boolean(0.6))
+  return MapProgram('\n\n'.join(gen.classes) + '\n', mesh, c.boolean(0.4),
+                    batch_axes, manual, c.boolean(0.3),
+                    c.weighted([(8, 4), (16, 2), (6, 1)]))
+
+
+def _per_shard(block, prog):
+  def fn(apply_block, x):
+    y = apply_block(x)
+    if prog.pmean and prog.batch_axes:
+      y = y + jax.lax.pmean(y, prog.batch_axes)
+    return y
+  return fn
+
+
+def check_map(prog: MapProgram) -> tuple:
+  """``nn.shard_map`` against ``jax.shard_map`` (module docstring)."""
+  import liftmods as nn  # pylint: disable=g-import-not-at-top
+  mesh = _mesh(*MESHES[prog.mesh], prog.explicit)
+  block = programs.build(prog.src.replace('class Block', 'class Model'), nn)
+  per_shard = _per_shard(block, prog)
+  spec = P(prog.batch_axes or None)
+  names = set(prog.manual) if prog.manual else set(mesh.axis_names)
+  x = jax.random.normal(jax.random.key(42), (prog.batch,) +
+                        programs.INPUT_SHAPE[1:])
+  params = block().init(jax.random.key(0), x[:1])['params']
+
+  class Mapped(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      def body(mdl, x):
+        return per_shard(mdl, x)
+      return nn.shard_map(body, mesh, in_specs=spec, out_specs=spec,
+                          variable_specs={'params': P()},
+                          axis_names=prog.manual)(block(name='block'), x)
+
+  def ours(p, x):
+    return Mapped().apply({'params': {'block': p}}, x)
+
+  def theirs(p, x):
+    if prog.explicit:  # jax.shard_map takes Explicit inputs as they are laid
+      x = jax.sharding.reshard(x, spec)
+    body = lambda p, x: per_shard(
+        lambda x: block().apply({'params': p}, x), x)
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(), spec),
+                         out_specs=spec, axis_names=names)(p, x)
+
+  results = []
+  for fn in (ours, theirs):
+    loss = lambda p, x, fn=fn: jnp.sum(fn(p, x) ** 2)
+    step = jax.jit(lambda p, x, fn=fn, loss=loss: (
+        fn(p, x), jax.grad(loss, (0, 1))(p, x)))
+    try:
+      with jax.set_mesh(mesh):
+        compiled = step.lower(params, x).compile()
+        out = compiled(params, x)
+    except Exception as e:  # pylint: disable=broad-except
+      results.append(e)
+      continue
+    results.append((out, compiled))
+  a, b = results
+  if isinstance(a, Exception) or isinstance(b, Exception):
+    if isinstance(a, Exception) and isinstance(b, Exception):
+      if isinstance(b, ValueError) and not isinstance(a, ValueError):
+        return 'mismatch', (f'jax.shard_map raised ValueError, liftmods '
+                            f'{type(a).__name__}: {a}')
+      return 'both_raise', f'{type(b).__name__} ({type(a).__name__})'
+    who = 'liftmods' if isinstance(a, Exception) else 'jax.shard_map'
+    err = a if isinstance(a, Exception) else b
+    return 'mismatch', f'only {who} raised {type(err).__name__}: {err}'
+  (out_a, comp_a), (out_b, comp_b) = a, b
+  d = compare.diff_trees(compare._plain(out_b), compare._plain(out_a),  # pylint: disable=protected-access
+                         exact=False)
+  if d:
+    return 'mismatch', f'values: {d}'
+  if not out_a[0].sharding.is_equivalent_to(out_b[0].sharding, 3):
+    return 'mismatch', (f'output sharding {out_a[0].sharding} vs '
+                        f'{out_b[0].sharding}')
+  flops_a, flops_b = _flops(comp_a), _flops(comp_b)
+  if flops_a > flops_b * 1.05 + 64:
+    return 'mismatch', (f'per-device flops {flops_a:.0f} vs the hand-written '
+                        f'{flops_b:.0f}')
+  return 'ok', ''
+
+
+def _flops(compiled) -> float:
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0]
+  return float((cost or {}).get('flops', 0.0))
