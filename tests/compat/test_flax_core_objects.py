@@ -5,10 +5,12 @@ hands liftmods flax's ``DenyList`` (keras' ``FlaxLayer`` passes
 ``mutable=DenyList(['params'])``), flax's ``FrozenDict`` of variables,
 flax's ``LazyRng`` and filters combined by ``flax.core.scope``'s filter
 algebra. Each entry point of Linen's API that takes one is called with the
-same flax object on both libraries: the results (values, trees and the type
-of each container) must be the same, and the switch's own run of the issue's
-program prints what flax prints.
+same flax object on Linen and, under the switch, on liftmods: the results
+(values, trees and the type of each container) must be the same, and the
+issue's program run by ``python -m liftmods.compat`` prints what it prints
+on flax.
 """
+import importlib
 import os
 import subprocess
 import sys
@@ -23,8 +25,11 @@ import pytest
 from flax.core import scope as flax_scope
 
 import liftmods
+from liftmods import compat
 from liftmods.core import filters, frozen_dict
 
+# The real flax.linen (under the switch, the attribute flax.linen is liftmods).
+LINEN = flax.linen
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 X = jnp.arange(12.).reshape(4, 3)
 RNGS = {'params': jax.random.key(0), 'dropout': jax.random.key(1)}
@@ -81,10 +86,11 @@ def _bound(nn):
 
 
 def _partitioned(nn):
-  init = flax.linen.with_partitioning(flax.linen.initializers.ones,
-                                      (None, 'model'))
+  init = LINEN.with_partitioning(LINEN.initializers.ones, (None, 'model'))
   params = nn.Dense(2, kernel_init=init).init(RNGS, X)
-  return (type(params['params']['kernel']).__name__, nn.unbox(params))
+  box = params['params']['kernel']
+  assert type(box).__module__ == 'flax.core.meta'
+  return (type(box).__name__, nn.unbox(params))
 
 
 # {entry point: fn(nn) -> result}, each given a flax.core object.
@@ -159,7 +165,12 @@ def _described(tree):
 @pytest.mark.parametrize('entry', ENTRY_POINTS)
 def test_entry_point_takes_the_flax_core_object_as_linen_does(entry):
   fn = ENTRY_POINTS[entry]
-  assert _described(fn(liftmods)) == _described(fn(flax.linen))
+  theirs = fn(LINEN)
+  with compat.flax_linen_as_liftmods(warn=False):
+    switched = importlib.import_module('flax.linen')
+    assert switched.__liftmods_module__ is liftmods
+    ours = fn(switched)
+  assert _described(ours) == _described(theirs)
 
 
 def test_flax_deny_list_is_a_deny_list():
