@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 import liftmods as nn
 from benchmarks import spmd_model
 from liftmods import errors
+from program_compare import assert_match, optimized_hlo
 
 multidevice.require(8)
 
@@ -49,14 +50,6 @@ def plain(tree):
   if hasattr(tree, 'items'):
     return {k: plain(v) for k, v in tree.items()}
   return tree
-
-
-def assert_same_values(a, b):
-  la, ta = jax.tree.flatten(plain(a))
-  lb, tb = jax.tree.flatten(plain(b))
-  assert ta == tb
-  for x, y in zip(la, lb):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 # -- annotations: partition specs, shardings, params_axes ---------------------
@@ -101,24 +94,36 @@ def test_t5x_params_axes_and_shardings_match_linen(rules):
 def test_init_sharded_places_and_equals_unsharded_init(logical):
   mesh = make_mesh()
   model = spmd_model.decoder(nn, logical=logical)
-  variables, shardings = nn.init_sharded(model, mesh, spmd_model.RULES)(
-      KEY, TOKENS)
+  init = nn.init_sharded(model, mesh, spmd_model.RULES)
+  variables, shardings = init(KEY, TOKENS)
   for x, s in zip(jax.tree.leaves(variables), jax.tree.leaves(shardings)):
     assert x.sharding == s
   kernel = variables['params']['layers']['mlp']['wi']['kernel']
   assert kernel.sharding.spec == P(None, 'fsdp', 'tensor')
   assert kernel.addressable_shards[0].data.shape == (4, 8, 16)
-  assert_same_values(variables, nn.unbox(model.init(KEY, TOKENS)))
+  # The unsharded init is another program (whole arrays, not shards): the
+  # same random bits, the initializers' float32 arithmetic to a few ulps,
+  # bitwise only where the two compile to the same per-device program.
+  unsharded = jax.jit(model.init)
+  sharded_hlo = optimized_hlo(init, KEY, TOKENS)
+  assert_match(variables, nn.unbox(unsharded(KEY, TOKENS)),
+               [(sharded_hlo, optimized_hlo(unsharded, KEY, TOKENS))],
+               rtol=1e-6, atol=1e-7)
+  # Linen's own recipe (its init, jitted onto the same shardings) gives the
+  # same placement, and the same values: bit for bit where it compiles to
+  # the same program as ours.
   flax_model = spmd_model.decoder(fnn, logical=logical)
-  assert_same_values(variables, fnn.unbox(flax_model.init(KEY, TOKENS)))
-  # Linen's own recipe gives the same values and placement.
   abstract = jax.eval_shape(flax_model.init, KEY, TOKENS)
   specs = fnn.get_partition_spec(abstract)
   linen_sh = (fnn.logical_to_mesh_sharding(specs, mesh, spmd_model.RULES)
               if logical else fnn.get_sharding(abstract, mesh))
-  linen = jax.jit(flax_model.init, out_shardings=linen_sh)(KEY, TOKENS)
+  linen_init = jax.jit(flax_model.init, out_shardings=linen_sh)
+  linen = linen_init(KEY, TOKENS)
   assert plain(shardings) == plain(jax.tree.map(
       lambda x: x.sharding, fnn.unbox(linen)))
+  assert_match(variables, fnn.unbox(linen),
+               [(sharded_hlo, optimized_hlo(linen_init, KEY, TOKENS))],
+               rtol=1e-6, atol=1e-7)
 
 
 def test_init_sharded_keeps_boxes_on_request():
