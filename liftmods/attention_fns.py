@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import random
 
 from liftmods import errors
-from liftmods.core import caching
+from liftmods.core import caching, explicit
 from liftmods.dtypes import promote_dtype
 
 Array = Any
@@ -143,7 +143,8 @@ def dot_product_attention_weights(
   dtype = query.dtype
   _check_qk(query, key)
   query = query / jnp.sqrt(query.shape[-1]).astype(dtype)
-  logits = einsum('...qhd,...khd->...hqk', query, key)
+  logits = explicit.einsum('dot_product_attention_weights',
+                           '...qhd,...khd->...hqk', query, key, op=einsum)
   if bias is not None:
     logits = logits + bias
   if mask is not None:
@@ -233,7 +234,8 @@ def dot_product_attention(
   einsum = attn_weights_value_einsum or _default_einsum(
       precision, einsum_dot_general
   )
-  return einsum('...hqk,...khd->...qhd', weights, value)
+  return explicit.einsum('dot_product_attention', '...hqk,...khd->...qhd',
+                         weights, value, op=einsum)
 
 
 def make_attention_mask(

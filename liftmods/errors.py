@@ -548,10 +548,12 @@ class ExplicitShardingError(ShardingError):
 
   def __init__(self, where, what, specs, cause=None):
     super().__init__(
-        f'{where}: the {what} cannot be laid out on the Explicit mesh axes '
-        f'from its operands ({specs}): {cause}. Pass out_sharding= to the '
-        'layer call, or constrain the input (nn.with_logical_constraint) or '
-        'the rules so that the shardings agree.')
+        f"{where}: the {what}'s output sharding cannot be resolved on the "
+        f'Explicit mesh axes ({specs}): {cause}. Pass a valid out_sharding= '
+        'to the layer call (Explicit mesh axes only, each once, one entry '
+        'per output dimension at most), or constrain the input '
+        '(nn.with_logical_constraint) or change the rules so that the '
+        'shardings agree.')
 
 
 class ShardMapSpecError(ShardingError):

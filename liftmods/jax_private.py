@@ -14,6 +14,8 @@ keeps its promises across releases; ``jax._src``, ``jax.interpreters`` and
   which ``liftmods.traceback_util`` hides liftmods' frames.
 - **extended dtypes** (``ExtendedDType`` and the ``EArray`` result handler)
   for the ``fp8_meta`` dtype of ``fp8_ops``.
+- **the class of JAX's sharding type errors** (``ShardingTypeError``), which
+  ``core.explicit`` re-raises naming the module path.
 
 Nothing else in the package imports ``jax._src``, ``jax.interpreters`` or
 ``jax.extend`` (``tests/docs/test_jax_private.py`` reads every file for it),
@@ -38,7 +40,7 @@ from jax.interpreters import partial_eval as _pe
 
 __all__ = ['known_outputs', 'Unknown', 'jaxpr_as_fun', 'opaque_trace_state',
            'api_boundary', 'register_exclusion', 'ExtendedDType',
-           'extended_result_handler', 'CAN_USE_EARRAY']
+           'extended_result_handler', 'CAN_USE_EARRAY', 'ShardingTypeError']
 
 
 class Unknown(NamedTuple):
@@ -138,3 +140,8 @@ def extended_result_handler(aval, out_sharding, committed):
   make_handler = _pxla.global_result_handlers[jax.core.ShapedArray]
   handler = make_handler(physical, out_sharding, committed)
   return lambda bufs: _earray.EArray(aval, handler(bufs))
+
+
+#: What JAX raises when an operation's output sharding on Explicit mesh axes
+#: is ambiguous or contradictory (not exported by ``jax.errors``).
+ShardingTypeError = _jax_core.ShardingTypeError

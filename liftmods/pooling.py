@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from liftmods.core import explicit
 from liftmods.typing import Array, LaxPadding
 
 
@@ -71,7 +72,9 @@ def pool(inputs: Array, init: Any, reduce_fn: Callable[[Any, Any], Any],
   assert inputs.ndim == len(dims), f'len({inputs.shape}) != len({dims})'
   if not isinstance(padding, str):
     padding = ((0, 0),) * n_batch + _explicit_padding(padding, window_shape)
-  y = lax.reduce_window(inputs, init, reduce_fn, dims, steps, padding)
+  y = explicit.windowed(
+      lambda x: lax.reduce_window(x, init, reduce_fn, dims, steps, padding),
+      inputs)
   return jnp.squeeze(y, axis=0) if unbatched else y
 
 

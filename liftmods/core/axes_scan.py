@@ -14,7 +14,7 @@ import jax
 from jax import lax
 
 from liftmods import errors, jax_private
-from liftmods.core import meta
+from liftmods.core import explicit, meta
 from liftmods.core.pack import (broadcast, check_variable_axes, describe_aval,
                                 split_keys, typeof, var_name)
 from liftmods.core.rng_counters import ReplayMismatch, RngReplay
@@ -79,7 +79,8 @@ def scan_with_broadcast(body, in_axes, out_axes, length, reverse, unroll,
                      'return outputs with out_axes=broadcast.')
 
   def scan_loop(broadcast_in, init, *args):
-    xs = jax.tree_util.tree_map(_to_front, in_axes, args)
+    xs = explicit.unshard_leading(
+        jax.tree_util.tree_map(_to_front, in_axes, args))
 
     def full_inputs(x_slice):
       return jax.tree_util.tree_map(
@@ -145,7 +146,8 @@ def _loop(step, broadcast_in, init, xs, out_axes, verify, unchecked, explain,
   """The ``lax.scan`` itself; the ys of broadcast out axes are ``()``."""
 
   def loop_body(carry, x_slice):
-    b_out, carry, ys = step(broadcast_in, carry, x_slice)
+    b_out, new_carry, ys = step(broadcast_in, carry, x_slice)
+    carry = explicit.like(new_carry, carry)
     if unchecked:
       _check_nothing_broadcast_made(broadcast_in, b_out, explain)
     if verify is not None:

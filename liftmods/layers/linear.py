@@ -11,6 +11,7 @@ made with one loads into the other and equal keys give equal parameters.
 >>> jax.tree_util.tree_map(jnp.shape, variables)
 {'params': {'bias': (3,), 'kernel': (5, 3)}}
 """
+import functools
 import math
 import numbers
 import operator
@@ -23,7 +24,7 @@ import numpy as np
 from jax import lax
 
 from liftmods import initializers
-from liftmods.core import meta
+from liftmods.core import explicit, meta
 from liftmods.dtypes import promote_dtype
 from liftmods.module import Module, compact, merge_param, nowrap
 
@@ -97,7 +98,7 @@ def _flat_init(init_fn, rng, shape, flat_shape, dtype):
 
 
 def _add_bias(y, bias, shape):
-  y += jnp.reshape(bias, shape)
+  y += explicit.match(jnp.reshape(bias, shape), y)
   return y
 
 
@@ -178,8 +179,16 @@ class DenseGeneral(Module):
     return axis, batch_dims
 
   @compact
-  def __call__(self, inputs: Array) -> Array:
-    """Contracts ``axis`` of ``inputs`` with the kernel."""
+  def __call__(self, inputs: Array, *, out_sharding=None) -> Array:
+    """Contracts ``axis`` of ``inputs`` with the kernel.
+
+    Args:
+      inputs: the input array.
+      out_sharding: the output's sharding on a mesh with Explicit axes (a
+        ``PartitionSpec`` or ``NamedSharding``); None lays it out by the
+        rule of ``liftmods.core.explicit`` (the batch as ``inputs``, the
+        features as the kernel).
+    """
     features = _as_tuple(self.features)
     axis, batch_dims = self._checked_axes(inputs.ndim)
     n_batch, n_axis, n_feat = len(batch_dims), len(axis), len(features)
@@ -208,9 +217,10 @@ class DenseGeneral(Module):
                            lax.dot_general)
     kernel_batch = tuple(range(n_batch))
     kernel_contract = tuple(range(n_batch, n_batch + n_axis))
-    y = dot_general(inputs, kernel,
-                    ((axis, kernel_contract), (batch_dims, kernel_batch)),
-                    precision=self.precision)
+    y = explicit.dot_general(
+        self, inputs, kernel,
+        ((axis, kernel_contract), (batch_dims, kernel_batch)),
+        op=dot_general, out_sharding=out_sharding, precision=self.precision)
     if self.use_bias:
       free = tuple(inputs.shape[ax] if ax in batch_dims else 1
                    for ax in range(inputs.ndim) if ax not in axis)
@@ -257,8 +267,16 @@ class Dense(Module):
   dot_general_cls: Any = None
 
   @compact
-  def __call__(self, inputs: Array) -> Array:
-    """Applies the map to the last axis of ``inputs``."""
+  def __call__(self, inputs: Array, *, out_sharding=None) -> Array:
+    """Applies the map to the last axis of ``inputs``.
+
+    Args:
+      inputs: the input array.
+      out_sharding: the output's sharding on a mesh with Explicit axes (a
+        ``PartitionSpec`` or ``NamedSharding``); None lays it out by the
+        rule of ``liftmods.core.explicit`` (the batch as ``inputs``, the
+        features as the kernel).
+    """
     kernel = self.param('kernel', self.kernel_init,
                         (jnp.shape(inputs)[-1], self.features),
                         self.param_dtype)
@@ -270,8 +288,9 @@ class Dense(Module):
                                               dtype=self.dtype)
     dot_general = _pick_fn(self.dot_general_cls, self.dot_general,
                            lax.dot_general)
-    y = dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())),
-                    precision=self.precision)
+    y = explicit.dot_general(
+        self, inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())),
+        op=dot_general, out_sharding=out_sharding, precision=self.precision)
     if bias is not None:
       y = _add_bias(y, bias, (1,) * (y.ndim - 1) + (-1,))
     return y
@@ -378,8 +397,17 @@ class Einsum(Module):
     return einsum_str
 
   @compact
-  def __call__(self, inputs: Array, einsum_str: str | None = None) -> Array:
-    """Contracts ``inputs`` with the kernel as ``einsum_str`` says."""
+  def __call__(self, inputs: Array, einsum_str: str | None = None,
+               *, out_sharding=None) -> Array:
+    """Contracts ``inputs`` with the kernel as ``einsum_str`` says.
+
+    Args:
+      inputs: the input array.
+      einsum_str: the equation, if not given as a field.
+      out_sharding: the output's sharding on a mesh with Explicit axes (a
+        ``PartitionSpec`` or ``NamedSharding``); None lays it out by the
+        rule of ``liftmods.core.explicit``.
+    """
     einsum_str = self._equation(einsum_str)
     kernel = self.param('kernel', self.kernel_init, self.shape,
                         self.param_dtype)
@@ -390,8 +418,9 @@ class Einsum(Module):
       bias = self.param('bias', self.bias_init, bias_shape, self.param_dtype)
     inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias,
                                               dtype=self.dtype)
-    y = jnp.einsum(einsum_str, inputs, kernel, precision=self.precision,
-                   preferred_element_type=self.preferred_element_type)
+    y = explicit.einsum(self, einsum_str, inputs, kernel,
+                        out_sharding=out_sharding, precision=self.precision,
+                        preferred_element_type=self.preferred_element_type)
     if bias is not None:
       y = _add_bias(y, bias, broadcast_shape)
     return y
@@ -593,24 +622,34 @@ class _Conv(Module):
     return kernel_size + (group_in, self.features), None
 
   @nowrap
-  def _convolve(self, inputs, kernel, kernel_size, windows):
+  def _convolve(self, inputs, kernel, kernel_size, windows, out_sharding):
     strides, padding, input_dilation, kernel_dilation, dims = windows
     if self.shared_weights:
-      return self._conv_fn()(
-          inputs, kernel, strides, padding, lhs_dilation=input_dilation,
-          rhs_dilation=kernel_dilation, dimension_numbers=dims,
+      conv = functools.partial(
+          self._conv_fn(), window_strides=strides, padding=padding,
+          lhs_dilation=input_dilation, rhs_dilation=kernel_dilation,
+          dimension_numbers=dims,
           feature_group_count=self.feature_group_count,
           precision=self.precision)
-    return lax.conv_general_dilated_local(
-        lhs=inputs, rhs=kernel, window_strides=strides, padding=padding,
-        filter_shape=kernel_size, lhs_dilation=input_dilation,
-        rhs_dilation=kernel_dilation, dimension_numbers=dims,
-        precision=self.precision)
+    else:
+      conv = functools.partial(
+          lax.conv_general_dilated_local, window_strides=strides,
+          padding=padding, filter_shape=kernel_size,
+          lhs_dilation=input_dilation, rhs_dilation=kernel_dilation,
+          dimension_numbers=dims, precision=self.precision)
+    return explicit.conv(self, conv, inputs, kernel, out_sharding)
 
   @compact
-  def __call__(self, inputs: Array) -> Array:
+  def __call__(self, inputs: Array, *, out_sharding=None) -> Array:
     """Convolves channels-last ``inputs`` of shape ``(*batch, *spatial,
-    features)``; any number of batch axes (including none) is accepted."""
+    features)``; any number of batch axes (including none) is accepted.
+
+    Args:
+      inputs: the input array.
+      out_sharding: the output's sharding (of the flattened batch) on a
+        mesh with Explicit axes; None lays it out by the rule of
+        ``liftmods.core.explicit``.
+    """
     kernel_size = _kernel_size(self)
     rank = len(kernel_size)
     inputs, batch_shape = _flatten_batch(self, inputs, rank)
@@ -633,7 +672,7 @@ class _Conv(Module):
       bias = self.param('bias', self.bias_init, bias_shape, self.param_dtype)
     inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias,
                                               dtype=self.dtype)
-    y = self._convolve(inputs, kernel, kernel_size, windows)
+    y = self._convolve(inputs, kernel, kernel_size, windows, out_sharding)
     if bias is not None:
       y = _add_bias(y, bias, (1,) * (y.ndim - bias.ndim) + bias.shape)
     return _unflatten_batch(y, batch_shape)
@@ -812,9 +851,16 @@ class ConvTranspose(Module):
   preferred_element_type: Dtype | None = None
 
   @compact
-  def __call__(self, inputs: Array) -> Array:
+  def __call__(self, inputs: Array, *, out_sharding=None) -> Array:
     """Applies the transposed convolution to ``(*batch, *spatial,
-    features)`` inputs; any number of batch axes (including none)."""
+    features)`` inputs; any number of batch axes (including none).
+
+    Args:
+      inputs: the input array.
+      out_sharding: the output's sharding (of the flattened batch) on a
+        mesh with Explicit axes; None lays it out by the rule of
+        ``liftmods.core.explicit``.
+    """
     kernel_size = _kernel_size(self)
     rank = len(kernel_size)
     inputs, batch_shape = _flatten_batch(self, inputs, rank)
@@ -837,10 +883,12 @@ class ConvTranspose(Module):
                         self.param_dtype)
     inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias,
                                               dtype=self.dtype)
-    y = lax.conv_transpose(
-        inputs, kernel, strides, padding, rhs_dilation=kernel_dilation,
-        transpose_kernel=self.transpose_kernel, precision=self.precision,
+    conv = functools.partial(
+        lax.conv_transpose, strides=strides, padding=padding,
+        rhs_dilation=kernel_dilation, transpose_kernel=self.transpose_kernel,
+        precision=self.precision,
         preferred_element_type=self.preferred_element_type)
+    y = explicit.conv(self, conv, inputs, kernel, out_sharding)
     if self.padding == 'CIRCULAR':
       y = _circular_fold(y, inputs.shape[1:-1], strides,
                          self.transpose_kernel)
@@ -893,8 +941,15 @@ class Embed(Module):
                                 (self.num_embeddings, self.features),
                                 self.param_dtype)
 
-  def __call__(self, inputs: Array) -> Array:
-    """Returns the embedding rows picked by the integer ``inputs``."""
+  def __call__(self, inputs: Array, *, out_sharding=None) -> Array:
+    """Returns the embedding rows picked by the integer ``inputs``.
+
+    Args:
+      inputs: integer indices, any shape.
+      out_sharding: the output's sharding on a mesh with Explicit axes;
+        None lays it out by the rule of ``liftmods.core.explicit`` (the
+        indices' dimensions as ``inputs``, the features as the table).
+    """
     dtype = getattr(inputs, 'dtype', None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
       raise ValueError(
@@ -905,11 +960,21 @@ class Embed(Module):
                                       inexact=False)
     if self.num_embeddings == 1:
       return jnp.broadcast_to(embedding, inputs.shape + (self.features,))
-    return jnp.take(embedding, inputs, axis=0)
+    return explicit.take(self, embedding, inputs, out_sharding)
 
-  def attend(self, query: Array) -> Array:
+  def attend(self, query: Array, *, out_sharding=None) -> Array:
     """Inner products of ``query`` (last axis ``features``) with every
-    embedding row; the output's last axis has size ``num_embeddings``."""
+    embedding row; the output's last axis has size ``num_embeddings``.
+
+    Args:
+      query: the queries, last axis ``features``.
+      out_sharding: the output's sharding on a mesh with Explicit axes;
+        None lays it out by the rule of ``liftmods.core.explicit``.
+    """
     query, embedding = self.promote_dtype(query, self.embedding,
                                           dtype=self.dtype)
-    return jnp.dot(query, embedding.T)
+    if explicit.explicit_mesh(query, embedding) is None:
+      return jnp.dot(query, embedding.T)
+    return explicit.dot_general(
+        self, query, embedding.T, (((query.ndim - 1,), (0,)), ((), ())),
+        out_sharding=out_sharding)

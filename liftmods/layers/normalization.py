@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from liftmods import dtypes, initializers
+from liftmods.core import explicit
 from liftmods.module import Module, compact, merge_param
 
 Array = Any
@@ -125,11 +126,11 @@ def _feature_shapes(x, feature_axes):
 
 
 def _affine_param(mdl, name, init_fn, shape, broadcast, param_dtype,
-                  force_float32_reductions):
+                  force_float32_reductions, x):
   value = mdl.param(name, init_fn, shape, param_dtype).reshape(broadcast)
   if not force_float32_reductions:
     value = jnp.asarray(value, param_dtype)
-  return value
+  return explicit.match(value, x)
 
 
 def _normalize(mdl: Module, x: Array, mean: Array, var: Array,
@@ -145,20 +146,20 @@ def _normalize(mdl: Module, x: Array, mean: Array, var: Array,
   broadcast, shape = _feature_shapes(x, feature_axes)
   # Both expanded before use, in Linen's order: the same program, so an
   # executable one library compiled serves the other from the cache.
-  mean = jnp.expand_dims(mean, reduction_axes)
-  var = jnp.expand_dims(var, reduction_axes)
+  mean = explicit.match(jnp.expand_dims(mean, reduction_axes), x)
+  var = explicit.match(jnp.expand_dims(var, reduction_axes), x)
   y = x - mean
   mul = lax.rsqrt(var + epsilon)
   used = [x]
   if use_scale:
     scale = _affine_param(mdl, 'scale', scale_init, shape, broadcast,
-                          param_dtype, force_float32_reductions)
+                          param_dtype, force_float32_reductions, x)
     mul = mul * scale
     used.append(scale)
   y = y * mul
   if use_bias:
     bias = _affine_param(mdl, 'bias', bias_init, shape, broadcast,
-                         param_dtype, force_float32_reductions)
+                         param_dtype, force_float32_reductions, x)
     y = y + bias
     used.append(bias)
   return jnp.asarray(y, dtypes.canonicalize_dtype(*used, dtype=dtype))

@@ -471,8 +471,14 @@ def test_signatures_match(name):
     if not hasattr(theirs, attr):
       assert not hasattr(ours, attr) or attr == '__init__'
       continue
-    ps = inspect.signature(getattr(ours, attr)).parameters.values()
+    ps = list(inspect.signature(getattr(ours, attr)).parameters.values())
     ts = inspect.signature(getattr(theirs, attr)).parameters.values()
+    if attr != '__init__':
+      # liftmods' one addition: a keyword-only out_sharding (None), the
+      # override of the layer's output sharding on Explicit mesh axes.
+      extra = ps.pop()
+      assert (extra.name, extra.kind, extra.default) == (
+          'out_sharding', inspect.Parameter.KEYWORD_ONLY, None), attr
     assert [p.name for p in ps] == [t.name for t in ts], attr
     for p, t in zip(ps, ts):
       # Linen's parent/name are positional-or-keyword with Linen's own

@@ -242,8 +242,17 @@ def _same_default(theirs, ours) -> bool:
 
 
 def _compatible(theirs, ours) -> bool:
-  """Same parameter names, kinds and order; compatible defaults."""
-  if [p[:2] for p in theirs] != [p[:2] for p in ours]:
+  """Same parameter names, kinds and order; compatible defaults. liftmods
+  may append parameters of its own after Linen's (``out_sharding`` on the
+  layers, ``metadata_params`` on ``remat_scan``) if each has a default and
+  none comes before a ``*args``/``**kwargs`` of Linen's: every call Linen
+  accepts then binds to the same parameters."""
+  extra = ours[len(theirs):]
+  if [p[:2] for p in theirs] != [p[:2] for p in ours[:len(theirs)]]:
+    return False
+  if any(p[2] == '<required>' or p[1].startswith('VAR_') for p in extra):
+    return False
+  if extra and theirs and theirs[-1][1] == 'VAR_KEYWORD':
     return False
   return all(_same_default(a[2], b[2]) for a, b in zip(theirs, ours))
 

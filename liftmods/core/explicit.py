@@ -1,0 +1,398 @@
+"""Output shardings on meshes with Explicit axes.
+
+On an ``AxisType.Explicit`` mesh axis an array's sharding is part of its
+type, and JAX asks the program for an operation's output sharding wherever
+it cannot infer one: a contraction over a dimension sharded on both sides,
+a gather from a sharded table, a convolution with a sharded kernel. The
+built-in layers answer for their users with one rule, ``out_spec``:
+
+  Every output dimension the activation (the first operand) has keeps the
+  activation's sharding; every other output dimension (the weight's
+  features) takes the weight's sharding, less any mesh axis the activation's
+  dimensions already use.
+
+The weight's sharding is its type, which on Explicit axes is its logical
+names through the active rules (a logically partitioned box reshards the
+value it hands out). So a kernel sharded for FSDP (``embed -> data``, the
+batch also on ``data``) is gathered for the contraction while the
+activation keeps its batch split, and a contraction over a dimension
+sharded on both sides gives the reduced result laid out by the rule; the
+next logical constraint then lays it out as the model says. Where JAX can
+infer a sharding, the rule gives the sharding JAX would infer.
+
+Weights applied elementwise (biases, normalisation scales) take the
+activation's sharding on the dimensions they share with it: ``match``.
+
+Everything here is a no-op (one type lookup) unless an operand's type
+carries Explicit mesh axes, so Auto meshes and single devices trace the
+same programs as before.
+
+>>> P = jax.sharding.PartitionSpec
+>>> out_spec('bm', [('be', P('data', None)), ('em', P('data', 'model'))])
+PartitionSpec('data', 'model')
+>>> out_spec('be', [('bm', P('data', 'model')), ('me', P('model', 'data'))])
+PartitionSpec('data', None)
+"""
+import functools
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from liftmods import errors
+from liftmods import jax_private
+
+PartitionSpec = jax.sharding.PartitionSpec
+Labels = Sequence[Hashable]
+
+
+@functools.lru_cache(maxsize=64)
+def _explicit_axes(mesh) -> frozenset:
+  return frozenset(
+      name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+      if kind == jax.sharding.AxisType.Explicit)
+
+
+def explicit_mesh(*arrays):
+  """The mesh of the first of ``arrays`` whose type carries Explicit mesh
+  axes, or None (no mesh, Auto axes only, or not arrays)."""
+  for x in arrays:
+    sharding = getattr(jax.typeof(x), 'sharding', None)
+    mesh = getattr(sharding, 'mesh', None)
+    if mesh is not None and not mesh.empty and _explicit_axes(mesh):
+      return mesh
+  return None
+
+
+def spec_of(x) -> tuple:
+  """The entries of ``x``'s type's PartitionSpec, one per dimension."""
+  spec = tuple(jax.typeof(x).sharding.spec)
+  return spec + (None,) * (jnp.ndim(x) - len(spec))
+
+
+def _axes(entry) -> tuple:
+  if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _entry(axes: Sequence[str]):
+  return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def out_spec(out_labels: Labels,
+             operands: Sequence[tuple[Labels, Sequence[Any]]]
+             ) -> PartitionSpec:
+  """The output sharding of a contraction, by the rule of this module.
+
+  Args:
+    out_labels: one label per output dimension.
+    operands: ``(labels, spec)`` per operand, the activation first: one
+      label and one PartitionSpec entry per operand dimension; a label
+      names the same dimension in every operand and the output.
+
+  Returns:
+    The PartitionSpec of the output.
+  """
+  chosen = {}
+  used = set()
+  for labels, spec in operands:
+    for label, entry in zip(labels, spec):
+      if label in chosen or label not in out_labels:
+        continue
+      kept = tuple(a for a in _axes(entry) if a not in used)
+      chosen[label] = kept
+      used.update(kept)
+  return PartitionSpec(*(_entry(chosen.get(label, ())) for label in
+                         out_labels))
+
+
+def _sharding(mesh, spec):
+  return jax.sharding.NamedSharding(mesh, spec)
+
+
+def _where(where) -> str:
+  """``where`` as text: a string as it is, a module as its class and path."""
+  if isinstance(where, str):
+    return where
+  scope = getattr(where, 'scope', None)
+  name = type(where).__name__
+  return f'{name} at {scope.path_text}' if scope is not None else name
+
+
+def _conflict(where, what: str, specs: dict, cause: Exception):
+  """JAX's sharding type error, said of ``where``."""
+  listed = ', '.join(f'{name} {spec}' for name, spec in specs.items())
+  return errors.ExplicitShardingError(_where(where), what, listed, cause)
+
+
+def given(where, what: str, out_sharding, mesh, ndim: int) -> PartitionSpec:
+  """A user's ``out_sharding`` (PartitionSpec or NamedSharding) as a
+  PartitionSpec, checked against ``mesh`` and the output's rank."""
+  spec = getattr(out_sharding, 'spec', out_sharding)
+  if not isinstance(spec, PartitionSpec):
+    problem = f'expected a PartitionSpec or NamedSharding, got {spec!r}'
+  elif len(spec) > ndim:
+    problem = f'it has {len(spec)} entries for an output of rank {ndim}'
+  else:
+    axes = [a for entry in spec for a in _axes(entry)]
+    wrong = [a for a in axes if a not in _explicit_axes(mesh)]
+    twice = {a for a in axes if axes.count(a) > 1}
+    problem = (f'mesh axis {wrong[0]!r} is not an Explicit axis of the mesh '
+               f'{dict(zip(mesh.axis_names, mesh.axis_types))}' if wrong else
+               f'mesh axis {sorted(twice)[0]!r} appears twice' if twice
+               else None)
+  if problem:
+    raise errors.ExplicitShardingError(
+        _where(where), what, f'out_sharding {out_sharding}', problem)
+  return spec
+
+
+def run(where, what: str, fn: Callable[..., Any], args: Sequence[Any],
+        spec: PartitionSpec, mesh, native: bool):
+  """``fn(*args)`` with its output laid out as ``spec`` on ``mesh``.
+
+  ``native``: ``fn`` takes ``out_sharding=`` itself (JAX's own ops);
+  otherwise it runs under ``jax.sharding.auto_axes``, so any op (an
+  injected ``dot_general``, a convolution, a gather) works, the partitioner
+  choosing its collectives as on an Auto mesh.
+  """
+  out = _sharding(mesh, spec)
+  try:
+    if native:
+      return fn(*args, out_sharding=out)
+    return jax.sharding.auto_axes(fn, out_sharding=out)(*args)
+  except jax_private.ShardingTypeError as e:
+    raise _conflict(where, what, {f'operand {i}': jax.typeof(a).sharding.spec
+                                  for i, a in enumerate(args)}, e) from e
+
+
+def _native(op, jax_op) -> bool:
+  """Whether ``op`` is ``jax_op`` (or a partial of it), which takes
+  ``out_sharding=`` itself."""
+  return op is jax_op or getattr(op, 'func', None) is jax_op
+
+
+def _dot_labels(lhs_ndim: int, rhs_ndim: int, dimension_numbers):
+  """Labels of a ``dot_general``'s lhs, rhs and output dimensions."""
+  (lc, rc), (lb, rb) = dimension_numbers
+  lhs = [('l', i) for i in range(lhs_ndim)]
+  rhs = [('r', i) for i in range(rhs_ndim)]
+  for l, r in zip(tuple(lc) + tuple(lb), tuple(rc) + tuple(rb)):
+    rhs[r] = lhs[l]
+  out = ([lhs[i] for i in lb] +
+         [lhs[i] for i in range(lhs_ndim) if i not in lc and i not in lb] +
+         [rhs[i] for i in range(rhs_ndim) if i not in rc and i not in rb])
+  return lhs, rhs, out
+
+
+def dot_general(where, lhs, rhs, dimension_numbers, *,
+                op: Callable[..., Any] | None = None, out_sharding=None,
+                **kwargs):
+  """``op(lhs, rhs, dimension_numbers, **kwargs)`` (``lax.dot_general`` by
+  default), its output sharding chosen by ``out_spec`` on Explicit axes.
+
+  Args:
+    where: the module (or a text naming the place), for errors.
+    lhs: the activation.
+    rhs: the weight.
+    dimension_numbers: as ``lax.dot_general``'s.
+    op: the dot-product op (an injected one need not take
+      ``out_sharding``).
+    out_sharding: a PartitionSpec or NamedSharding that overrides the rule
+      (ignored off Explicit axes, where JAX chooses).
+    **kwargs: passed to ``op`` (``precision``, ``preferred_element_type``).
+
+  Returns:
+    The product.
+  """
+  op = lax.dot_general if op is None else op
+  mesh = explicit_mesh(lhs, rhs)
+  if mesh is None:
+    return op(lhs, rhs, dimension_numbers, **kwargs)
+  l, r, out = _dot_labels(jnp.ndim(lhs), jnp.ndim(rhs), dimension_numbers)
+  if out_sharding is None:
+    spec = out_spec(out, [(l, spec_of(lhs)), (r, spec_of(rhs))])
+  else:
+    spec = given(where, 'dot_general', out_sharding, mesh, len(out))
+  fn = functools.partial(op, dimension_numbers=dimension_numbers, **kwargs)
+  return run(where, 'dot_general', fn, (lhs, rhs), spec, mesh,
+             native=_native(op, lax.dot_general))
+
+
+def _einsum_labels(subscripts: str, ndims: Sequence[int]):
+  """Per operand and for the output, one label per dimension; the
+  dimensions an ellipsis stands for are labelled by their distance from the
+  right, as they broadcast."""
+  inputs, output = subscripts.replace(' ', '').split('->')
+  terms = inputs.split(',')
+
+  def expand(term, ndim):
+    if '...' not in term:
+      return list(term)
+    head, tail = term.split('...')
+    n = ndim - len(head) - len(tail)
+    return list(head) + [('...', n - i) for i in range(n)] + list(tail)
+
+  operands = [expand(t, n) for t, n in zip(terms, ndims)]
+  longest = max((sum(isinstance(l, tuple) for l in ls) for ls in operands),
+                default=0)
+  return operands, expand(output, len(output.replace('...', '')) + longest)
+
+
+def einsum(where, subscripts: str, lhs, rhs, *,
+           op: Callable[..., Any] | None = None, out_sharding=None,
+           **kwargs):
+  """``op(subscripts, lhs, rhs, **kwargs)`` (``jnp.einsum`` by default),
+  its output sharding chosen by ``out_spec`` on Explicit axes.
+
+  ``subscripts`` must name its output (``'...->...'``). Arguments as
+  ``dot_general``'s.
+  """
+  op = jnp.einsum if op is None else op
+  mesh = explicit_mesh(lhs, rhs)
+  if mesh is None or '->' not in subscripts:
+    return op(subscripts, lhs, rhs, **kwargs)
+  (l, r), out = _einsum_labels(subscripts, (jnp.ndim(lhs), jnp.ndim(rhs)))
+  if out_sharding is None:
+    spec = out_spec(out, [(l, spec_of(lhs)), (r, spec_of(rhs))])
+  else:
+    spec = given(where, 'einsum', out_sharding, mesh, len(out))
+  fn = functools.partial(op, subscripts, **kwargs)
+  return run(where, 'einsum', fn, (lhs, rhs), spec, mesh,
+             native=_native(op, jnp.einsum))
+
+
+def conv(where, fn: Callable[..., Any], lhs, rhs, out_sharding=None):
+  """``fn(lhs, rhs)``, a channels-last convolution (batch first, features
+  last, spatial dimensions between; the kernel's last dimension its output
+  features), laid out by the rule on Explicit axes: the batch (and, where
+  the output keeps the input's spatial size, the spatial dimensions) as
+  ``lhs``, the features as the kernel's."""
+  mesh = explicit_mesh(lhs, rhs)
+  if mesh is None:
+    return fn(lhs, rhs)
+  if out_sharding is not None:
+    spec = given(where, 'convolution', out_sharding, mesh, jnp.ndim(lhs))
+  else:
+    spatial = range(jnp.ndim(lhs) - 2)
+    plain = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype)
+    out_shape = jax.eval_shape(fn, plain(lhs), plain(rhs)).shape
+    same_spatial = out_shape[1:-1] == jnp.shape(lhs)[1:-1]
+    lhs_labels = ['b'] + [('s' if same_spatial else 'in', i)
+                          for i in spatial] + ['c']
+    rhs_labels = [('k', i) for i in range(jnp.ndim(rhs) - 2)] + ['c', 'o']
+    out = ['b'] + [('s' if same_spatial else 'out', i) for i in spatial]
+    spec = out_spec(out + ['o'], [(lhs_labels, spec_of(lhs)),
+                                  (rhs_labels, spec_of(rhs))])
+  return run(where, 'convolution', fn, (lhs, rhs), spec, mesh, native=False)
+
+
+def take(where, table, indices, out_sharding=None):
+  """``jnp.take(table, indices, axis=0)``, laid out by the rule on Explicit
+  axes: the indices' dimensions as ``indices``, the features as the
+  table's."""
+  mesh = explicit_mesh(table, indices)
+  fn = functools.partial(jnp.take, axis=0)
+  if mesh is None:
+    return fn(table, indices)
+  if out_sharding is not None:
+    spec = given(where, 'embedding lookup', out_sharding, mesh,
+                 jnp.ndim(indices) + jnp.ndim(table) - 1)
+  else:
+    n = jnp.ndim(indices)
+    idx = list(range(n))
+    feats = [('f', i) for i in range(1, jnp.ndim(table))]
+    spec = out_spec(idx + feats, [(idx, spec_of(indices)),
+                                  ([('row',)] + feats, spec_of(table))])
+  return run(where, 'embedding lookup', fn, (table, indices), spec, mesh,
+             native=False)
+
+
+def windowed(fn: Callable[..., Any], x):
+  """``fn(x)``, an op over windows of ``x`` (a pooling) whose output keeps
+  ``x``'s rank: where ``x``'s type shards a dimension whose size the op
+  changes (which JAX cannot lay out on Explicit axes unless the sizes
+  divide), that dimension is gathered first; the others keep their
+  layout."""
+  mesh = explicit_mesh(x)
+  if mesh is None:
+    return fn(x)
+  plain = jax.ShapeDtypeStruct(jnp.shape(x), x.dtype)
+  out_shape = jax.eval_shape(fn, plain).shape
+  spec = spec_of(x)
+  kept = tuple(e if n == m else None
+               for e, n, m in zip(spec, jnp.shape(x), out_shape))
+  if kept != spec:
+    x = jax.sharding.reshard(x, _sharding(mesh, PartitionSpec(*kept)))
+  return fn(x)
+
+
+def match(w, x):
+  """``w`` (broadcasting against ``x``, aligned at the right) laid out as
+  ``x`` on the dimensions it shares with it, and unsharded where it
+  broadcasts: a bias or scale takes its activation's sharding (an FSDP
+  weight is gathered). ``w`` as it is off Explicit axes."""
+  if w is None or jnp.ndim(w) == 0:
+    return w
+  mesh = explicit_mesh(x, w)
+  if mesh is None:
+    return w
+  x_spec = spec_of(x)[jnp.ndim(x) - jnp.ndim(w):]
+  shape = jnp.shape(x)[jnp.ndim(x) - jnp.ndim(w):]
+  spec = PartitionSpec(*(e if n == m else None for e, n, m in
+                         zip(x_spec, jnp.shape(w), shape)))
+  if spec_of(w) == tuple(spec):
+    return w
+  return jax.sharding.reshard(w, _sharding(mesh, spec))
+
+
+def like(new, old):
+  """``new`` (a tree) with each leaf laid out as the leaf of ``old`` in its
+  place, where both are arrays on Explicit axes and the layouts differ: a
+  loop's carry keeps the layout it entered with, as ``lax.scan`` requires
+  of its type. ``new`` as it is off Explicit axes."""
+  old_leaves, tree = jax.tree_util.tree_flatten(old)
+  new_leaves, new_tree = jax.tree_util.tree_flatten(new)
+  if new_tree != tree or explicit_mesh(*old_leaves, *new_leaves) is None:
+    return new
+
+  def one(n, o):
+    want = getattr(jax.typeof(o), 'sharding', None)
+    have = getattr(jax.typeof(n), 'sharding', None)
+    if (want is None or have is None or jnp.shape(n) != jnp.shape(o) or
+        explicit_mesh(o, n) is None or
+        tuple(want.spec) == tuple(have.spec)):
+      return n
+    return jax.sharding.reshard(n, want)
+
+  return jax.tree_util.tree_unflatten(
+      tree, [one(n, o) for n, o in zip(new_leaves, old_leaves)])
+
+
+def unshard_leading(xs):
+  """``xs`` (a tree) with each leaf's leading dimension unsharded where its
+  type shards it on Explicit axes: ``lax.scan`` cannot slice a scanned axis
+  that is split over devices (a sequence-parallel input to an RNN), which
+  on an Auto mesh the partitioner gathers."""
+  leaves, tree = jax.tree_util.tree_flatten(xs)
+  if explicit_mesh(*leaves) is None:
+    return xs
+
+  def one(x):
+    if jnp.ndim(x) == 0 or explicit_mesh(x) is None:
+      return x
+    spec = spec_of(x)
+    if spec[0] is None:
+      return x
+    return jax.sharding.reshard(
+        x, _sharding(jax.typeof(x).sharding.mesh,
+                     PartitionSpec(None, *spec[1:])))
+
+  return jax.tree_util.tree_unflatten(tree, [one(x) for x in leaves])
+
+
+__all__ = ['conv', 'dot_general', 'einsum', 'explicit_mesh', 'like', 'match',
+           'out_spec', 'spec_of', 'take', 'unshard_leading', 'windowed']
