@@ -226,28 +226,31 @@ def _save_specs(prefix, variables, out):
 
 
 def partitioning(out):
+  # NNX would place annotated variables on a mesh when it creates them (and
+  # flax 0.12.12 recreates them to read an NNXMeta box's spec); there is no
+  # mesh here, so the annotations stay metadata only.
+  import flax  # pylint: disable=import-outside-toplevel
+  shard_eagerly = flax.config.flax_always_shard_variable
+  flax.config.update('flax_always_shard_variable', False)
+  try:
+    _partitioned_specs(out)
+  finally:
+    flax.config.update('flax_always_shard_variable', shard_eagerly)
+
+
+def _partitioned_specs(out):
   import flax.linen as nn  # pylint: disable=import-outside-toplevel
   from flax.nnx import bridge  # pylint: disable=import-outside-toplevel
-  _, _, _, sharded = _layers()
+  nnx, _, _, sharded = _layers()
 
   class Model(nn.Module):
     @nn.compact
     def __call__(self, x):
       return bridge.ToLinen(sharded, args=(3, 4), name='nnx')(x)
 
-  # NNX would place the annotated variables on a mesh at creation; there is
-  # none here, so the annotation stays metadata only.
-  import flax  # pylint: disable=import-outside-toplevel
-  shard_eagerly = flax.config.flax_always_shard_variable
-  flax.config.update('flax_always_shard_variable', False)
-  try:
-    variables = Model().init(jax.random.key(0), X)
-  finally:
-    flax.config.update('flax_always_shard_variable', shard_eagerly)
+  variables = Model().init(jax.random.key(0), X)
   _save_specs('partitioning/specs', variables, out)
   flat('partitioning/init', nn.meta.unbox(variables), out)
-
-  nnx = _layers()[0]
 
   class LinenBoxed(nnx.Module):
     def __init__(self, din, dout, *, rngs):
@@ -271,11 +274,7 @@ def partitioning(out):
                        metadata_params={nn.PARTITION_NAME: 'layers'})
       return layers(name='layers')(x)[0]
 
-  flax.config.update('flax_always_shard_variable', False)
-  try:
-    variables = Scanned().init(jax.random.key(0), X)
-  finally:
-    flax.config.update('flax_always_shard_variable', shard_eagerly)
+  variables = Scanned().init(jax.random.key(0), X)
   _save_specs('partitioning/scan_specs', variables, out)
   flat('partitioning/scan_init', nn.meta.unbox(variables), out)
 
