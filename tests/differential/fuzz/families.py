@@ -20,6 +20,7 @@ _FAMILIES = {
     'state': ('state_family', 1, 60.0),
     'sharded_init': ('spmd_family:init', 8, 120.0),
     'shard_map': ('spmd_family:map', 8, 120.0),
+    'pipeline': ('pipeline_family', 8, 180.0),
 }
 
 

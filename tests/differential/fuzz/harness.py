@@ -122,10 +122,20 @@ def _smaller(value: int):
       yield v
 
 
+def signature(verdict: str, detail: str) -> tuple:
+  """What a shrunk program must keep of a failure: its verdict and, when
+  something raised, the last line's exception class."""
+  last = detail.strip().splitlines()[-1] if detail.strip() else ''
+  if 'raise' in detail and ':' in last:
+    return verdict, last.split(':')[0].split('.')[-1]
+  return verdict, ''
+
+
 def shrink(family: Family, draws, verdict: str, budget_s: float = 300.0,
            max_runs: int = 200) -> tuple:
-  """Lowers ``draws`` one value at a time while the program still ends in
-  ``verdict`` (``'mismatch'`` or ``'hang'``).
+  """Lowers ``draws`` one value at a time while the program still fails
+  the same way (``signature``: the verdict, ``'mismatch'`` or ``'hang'``,
+  and the class of what raised, if anything did).
 
   Args:
     family: the program's family.
@@ -140,10 +150,11 @@ def shrink(family: Family, draws, verdict: str, budget_s: float = 300.0,
   start, runs = time.monotonic(), 0
   best = list(draws)
   program, _, _, detail = run_draws(family, best)
+  keep = signature(verdict, detail)
   improved = True
   while improved:
-    improved = False
-    for i in range(len(best)):
+    improved, i = False, 0
+    while i < len(best):
       for value in _smaller(best[i]):
         if runs >= max_runs or time.monotonic() - start > budget_s:
           return program, best, detail, runs
@@ -151,10 +162,11 @@ def shrink(family: Family, draws, verdict: str, budget_s: float = 300.0,
         runs += 1
         cand_program, used, cand_verdict, cand_detail = run_draws(
             family, candidate)
-        if cand_verdict == verdict:
+        if signature(cand_verdict, cand_detail) == keep:
           program, best, detail = cand_program, used, cand_detail
           improved = True
           break
+      i += 1
   return program, best, detail, runs
 
 
