@@ -19,6 +19,9 @@ def runtime_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
   add('--devices', type=int, default=1,
       help="train on a ('data', 'model') mesh of this many devices, with "
       'sharded init and a sharded step (on CPU, simulated devices)')
+  add('--mesh_axes', choices=('explicit', 'auto'), default='explicit',
+      help="the mesh's axis types: 'explicit' (jax.make_mesh's default) or "
+      "'auto' (XLA propagates shardings)")
   add('--processes', type=int, default=1,
       help='launch this many local processes, --devices split among them')
   add('--distributed', action='store_true',
@@ -124,7 +127,7 @@ def parse(argv=None) -> TrainConfig:
       max_bytes=a.max_bytes, checkpoint_every=a.checkpoint_every,
       workdir=a.workdir, resume=a.resume, stop_at=a.stop_at,
       prompt=a.prompt, sample_length=a.sample_length, temperature=a.temperature,
-      progress=not a.no_progress, devices=a.devices,
+      progress=not a.no_progress, devices=a.devices, mesh_axes=a.mesh_axes,
       save_params=a.save_params, step_file=a.step_file)
 
 

@@ -51,6 +51,9 @@ class TrainConfig:
   plot: str | None = 'loss.png'
   progress: bool = True
   devices: int = 1  # > 1: a ('data', 'model') mesh over that many devices
+  # The mesh's axis types: 'explicit' (jax.make_mesh's default: arrays'
+  # shardings are part of their types) or 'auto' (XLA propagates them).
+  mesh_axes: str = 'explicit'
   save_params: bool = False  # write the final parameters to params.npz
   step_file: str | None = None  # process 0 writes each finished step here
 
@@ -161,8 +164,13 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
 
 def cross_entropy(logits, targets):
-  return optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), targets).mean()
+  """Mean next-token cross-entropy, with one-hot labels: picking each
+  target's logit by index is a gather along the vocabulary, which JAX
+  refuses on an Explicit mesh where the logits' vocabulary dimension is
+  sharded (it would need the whole row); a one-hot sum reads it in place."""
+  labels = jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32)
+  return optax.softmax_cross_entropy(logits.astype(jnp.float32),
+                                     labels).mean()
 
 
 def make_mesh(cfg: TrainConfig) -> jax.sharding.Mesh | None:
@@ -174,9 +182,12 @@ def make_mesh(cfg: TrainConfig) -> jax.sharding.Mesh | None:
         f'--devices={cfg.devices} but JAX sees {jax.device_count()} device(s); '
         'on CPU set XLA_FLAGS=--xla_force_host_platform_device_count='
         f'{cfg.devices} before JAX is imported (python -m examples.lm does).')
+  devices = jax.devices()[:cfg.devices]
+  if cfg.mesh_axes == 'explicit':  # JAX's default axis type
+    return jax.make_mesh(cfg.mesh_shape, ('data', 'model'), devices=devices)
   auto = jax.sharding.AxisType.Auto  # XLA propagates the rest (GSPMD)
   return jax.make_mesh(cfg.mesh_shape, ('data', 'model'), (auto, auto),
-                       devices=jax.devices()[:cfg.devices])
+                       devices=devices)
 
 
 def init_state(model: TransformerLM, optimizer, seed: int,
@@ -280,8 +291,13 @@ def generate(model: TransformerLM, params, prompt: np.ndarray, length: int,
   decoder = model.clone(decode=True)
   shapes = jax.eval_shape(decoder.init, jax.random.key(0),
                           jnp.zeros((1, model.config.max_len), jnp.int32))
-  cache = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                 shapes['cache'])
+  # On a mesh the cache lives on it too, replicated: with Explicit axes an
+  # update is written into it with the cache's own layout.
+  mesh = getattr(jax.tree_util.tree_leaves(params)[0].sharding, 'mesh', None)
+  place = (NamedSharding(mesh, PartitionSpec())
+           if isinstance(mesh, jax.sharding.Mesh) else None)
+  cache = jax.tree_util.tree_map(
+      lambda s: jnp.zeros(s.shape, s.dtype, device=place), shapes['cache'])
   buf = jnp.zeros((length,), jnp.int32).at[:len(prompt)].set(prompt)
   return np.asarray(_sample(decoder, params, cache, buf, len(prompt), key,
                             temperature))

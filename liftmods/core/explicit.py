@@ -29,9 +29,9 @@ same programs as before.
 
 >>> P = jax.sharding.PartitionSpec
 >>> out_spec('bm', [('be', P('data', None)), ('em', P('data', 'model'))])
-PartitionSpec('data', 'model')
+P('data', 'model')
 >>> out_spec('be', [('bm', P('data', 'model')), ('me', P('model', 'data'))])
-PartitionSpec('data', None)
+P('data', None)
 """
 import functools
 from collections.abc import Callable, Hashable, Sequence
@@ -372,6 +372,17 @@ def like(new, old):
       tree, [one(n, o) for n, o in zip(new_leaves, old_leaves)])
 
 
+def layout_as(x, ref):
+  """``x`` laid out as ``ref`` (of the same rank), where both are on
+  Explicit axes and differ: an update written into a stored buffer
+  (``dynamic_update_slice`` wants one layout for both) takes the buffer's.
+  ``x`` as it is off Explicit axes."""
+  mesh = explicit_mesh(ref, x)
+  if mesh is None or spec_of(x) == spec_of(ref):
+    return x
+  return jax.sharding.reshard(x, _sharding(mesh, PartitionSpec(*spec_of(ref))))
+
+
 def unshard_leading(xs):
   """``xs`` (a tree) with each leaf's leading dimension unsharded where its
   type shards it on Explicit axes: ``lax.scan`` cannot slice a scanned axis
@@ -394,5 +405,6 @@ def unshard_leading(xs):
   return jax.tree_util.tree_unflatten(tree, [one(x) for x in leaves])
 
 
-__all__ = ['conv', 'dot_general', 'einsum', 'explicit_mesh', 'like', 'match',
-           'out_spec', 'spec_of', 'take', 'unshard_leading', 'windowed']
+__all__ = ['conv', 'dot_general', 'einsum', 'explicit_mesh', 'layout_as',
+           'like', 'match', 'out_spec', 'spec_of', 'take', 'unshard_leading',
+           'windowed']

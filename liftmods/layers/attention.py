@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from liftmods import errors, initializers
+from liftmods.core import explicit
 from liftmods.attention_fns import combine_masks, dot_product_attention
 from liftmods.layers.linear import DenseGeneral, default_kernel_init
 from liftmods.layers.normalization import LayerNorm
@@ -300,8 +301,11 @@ class MultiHeadDotProductAttention(Module):
     position = cache_index.value
     zero = jnp.array(0, dtype=position.dtype)
     start = (zero,) * len(batch) + (position, zero, zero)
-    key = lax.dynamic_update_slice(cached_key.value, key, start)
-    value = lax.dynamic_update_slice(cached_value.value, value, start)
+    key = lax.dynamic_update_slice(
+        cached_key.value, explicit.layout_as(key, cached_key.value), start)
+    value = lax.dynamic_update_slice(
+        cached_value.value, explicit.layout_as(value, cached_value.value),
+        start)
     cached_key.value, cached_value.value = key, value
     cache_index.value = cache_index.value + 1
     filled = jnp.broadcast_to(jnp.arange(max_length) <= position,

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax, random
 
 from liftmods import errors
+from liftmods.core import explicit
 from liftmods.module import Module, compact, merge_param
 
 PRNGKey = Any
@@ -71,7 +72,7 @@ class Dropout(Module):
     for dim in self.broadcast_dims:
       mask_shape[dim] = 1
     mask = random.bernoulli(rng, p=keep_prob, shape=mask_shape)
-    mask = jnp.broadcast_to(mask, inputs.shape)
+    mask = explicit.match(jnp.broadcast_to(mask, inputs.shape), inputs)
     return lax.select(mask, inputs / keep_prob, jnp.zeros_like(inputs))
 
   def _deterministic(self, call_value):
