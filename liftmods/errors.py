@@ -432,7 +432,9 @@ class PartitioningUnspecifiedError(LiftError):
 
   def __init__(self, target, transform: str | None = None,
                path: str | None = None):
-    self.target = target
+    # As text: the box holds arrays, and the error must pickle to an equal
+    # one (an array compares elementwise).
+    self.target = str(target)
     self.transform = transform
     self.path = path
     if transform is None:
