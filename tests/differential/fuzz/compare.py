@@ -134,13 +134,16 @@ def _flat(tree, prefix=''):
 
 def diff_trees(a, b, exact: bool, scaled: bool = False):
   """A description of the first difference between ``a`` and ``b``, or
-  ``None``. ``scaled`` measures ``ATOL`` in units of each array's largest
+  ``None``. ``scaled`` measures ``ATOL`` in units of the tree's largest
   magnitude (for a reference that is a different program, whose rounding
-  differs: a tiny gradient entry beside a large one)."""
+  differs: a gradient that is zero but for rounding, beside large ones)."""
   fa, fb = _flat(a), _flat(b)
   if list(fa) != list(fb):
     return (f'trees differ: only linen {sorted(set(fa) - set(fb))}, only '
             f'liftmods {sorted(set(fb) - set(fa))}')
+  largest = max([1.0] + [float(np.max(np.abs(v), initial=0))
+                         for v in fa.values() if v is not None and
+                         np.issubdtype(v.dtype, np.floating)])
   for path, va in fa.items():
     vb = fb[path]
     if va is None:
@@ -151,8 +154,8 @@ def diff_trees(a, b, exact: bool, scaled: bool = False):
     if exact:
       same = np.array_equal(va, vb, equal_nan=True)
     else:
-      scale = max(1.0, float(np.max(np.abs(va), initial=0))) if scaled and \
-          np.issubdtype(va.dtype, np.floating) else 1.0
+      scale = largest if scaled and np.issubdtype(va.dtype, np.floating) \
+          else 1.0
       same = np.allclose(va, vb, rtol=RTOL, atol=ATOL * scale, equal_nan=True)
     if not same:
       return f'{path}: values differ ({"bitwise" if exact else "allclose"})'
@@ -186,11 +189,24 @@ def xla_optimizations(enabled: bool):
     jax.config.update('jax_disable_most_optimizations', before)
 
 
+def _diff_init(va, vb, exact_cols, scaled):
+  """``diff_trees`` of two inits: bit for bit, or only the collections in
+  ``exact_cols`` (when given) and the rest allclose."""
+  if exact_cols is None:
+    return diff_trees(va, vb, exact=True)
+  part = lambda v, inside: {k: x for k, x in v.items()
+                            if (k in exact_cols) == inside}
+  return (diff_trees(part(va, True), part(vb, True), exact=True) or
+          diff_trees(part(va, False), part(vb, False), exact=False,
+                     scaled=scaled))
+
+
 def compare(case: Case, linen, ours, optimize: bool = False,
-            scaled: bool = False):
+            scaled: bool = False, exact_cols=None):
   """Runs ``case`` under both namespaces; returns ``(verdict, detail)``.
   ``optimize=False`` compiles without XLA's optimizations (faster);
-  ``scaled`` is ``diff_trees``'s."""
+  ``scaled`` is ``diff_trees``'s; ``exact_cols`` (default: all) are the
+  collections whose init must be bit for bit."""
   with xla_optimizations(optimize):
     ra, rb = run(case, linen, case.ref_src), run(case, ours)
   for (stage, va), (stage_b, vb) in zip(ra, rb):
@@ -208,7 +224,10 @@ def compare(case: Case, linen, ours, optimize: bool = False,
       who, err = ('linen', va) if ea else ('liftmods', vb)
       return 'mismatch', (f'{stage}: only {who} raised {type(err).__name__}'
                           f'\n{err.__traceback_text__}')
-    d = diff_trees(va, vb, exact=stage.startswith('init'), scaled=scaled)
+    if stage.startswith('init'):
+      d = _diff_init(va, vb, exact_cols, scaled)
+    else:
+      d = diff_trees(va, vb, exact=False, scaled=scaled)
     if d:
       return 'mismatch', f'{stage}: {d}'
   if len(ra) != len(rb):

@@ -113,10 +113,10 @@ def run_seed(family: Family, seed: int) -> tuple:
 
 
 def _smaller(value: int):
-  """Values to try in place of ``value``: 0 first, then halfway, then one
-  less."""
+  """Values to try in place of ``value``: the smallest first, then halfway,
+  then one or two less."""
   seen = set()
-  for v in (0, value // 2, value - 1):
+  for v in (0, 1, 2, value // 4, value // 2, value - 2, value - 1):
     if 0 <= v < value and v not in seen:
       seen.add(v)
       yield v

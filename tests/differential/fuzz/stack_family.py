@@ -93,5 +93,8 @@ def check(case: compare.Case) -> tuple:
   # to a tolerance scaled to each array (seed 10: BatchNorm on a dropped-out
   # batch, 9.19e-3 against 9.22e-3 beside 47.9; flax alone moves 4e-6 with
   # XLA's optimizations on or off).
+  # Initializers must agree bit for bit; a variable init computes from
+  # activations (a running sum) rounds as its program does (seed 101).
   return compare.compare(case, fnn, lnn,
-                         optimize="mode='unrolled'" in case.src, scaled=True)
+                         optimize="mode='unrolled'" in case.src, scaled=True,
+                         exact_cols=('params',))
