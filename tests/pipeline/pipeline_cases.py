@@ -14,10 +14,12 @@ which moves the last bit: at 32 rows the largest output difference seen is
 within OUT_RTOL = 1e-6 of their largest entry. Parameter gradients also sum
 the per-row contributions in another order (per microbatch, then over
 microbatches) and are compared within GRAD_RTOL = 1e-5 of each gradient's
-largest entry. At small microbatches (2-4 rows) the compiled arithmetic
-coincides on XLA:CPU, and the tests that compare against the unpipelined
-stack run microbatch by microbatch (gradients summed in the pipeline's
-order, dropout, counters) check bit for bit.
+largest entry. The tests that compare against the unpipelined stack run
+microbatch by microbatch (gradients summed in the pipeline's order, dropout,
+initial values) do the same arithmetic in the same order, but in other
+compiled programs, whose last bit depends on the CPU (bitwise on AVX-512,
+not promised elsewhere): they compare within OUT_RTOL of each leaf's
+largest entry (``assert_same_arithmetic``).
 """
 import os
 
@@ -91,10 +93,17 @@ def leaves(tree):
   return jax.tree_util.tree_leaves(tree)
 
 
-def assert_bitwise(a, b):
+def assert_same_arithmetic(a, b):
+  """Equal to float32 rounding: within OUT_RTOL (about 8 ulps) of each
+  leaf's largest entry. For two programs doing the same operations in the
+  same order: they still compile to other per-device programs (the
+  schedule's loop, another row count, a sharded init), whose last bit XLA:CPU
+  may round otherwise on another CPU (bitwise on AVX-512 is no promise)."""
   assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
   for x, y in zip(leaves(a), leaves(b)):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    x, y = np.asarray(x), np.asarray(y)
+    np.testing.assert_allclose(x, y, rtol=0,
+                               atol=OUT_RTOL * np.abs(y).max())
 
 
 def assert_grads_close(a, b, scale=None):
@@ -166,8 +175,8 @@ def test_outputs_and_gradients_match_unpipelined(stages, micro, repeats, data,
   v_plain = init(plain, x)
   v_pipe = init(pipelined, x)
   # Initial parameters are the unpipelined ones, in stage-major order.
-  assert_bitwise(v_pipe, pipe.to_pipeline_layout(v_plain))
-  assert_bitwise(pipe.to_stack_layout(v_pipe), v_plain)
+  assert_same_arithmetic(v_pipe, pipe.to_pipeline_layout(v_plain))
+  assert_same_arithmetic(pipe.to_stack_layout(v_pipe), v_plain)
 
   with jax.set_mesh(mesh_of(stages, data)):
     y, (gv, gx) = outputs_and_grads(pipelined, v_pipe, x)
@@ -179,10 +188,10 @@ def test_outputs_and_gradients_match_unpipelined(stages, micro, repeats, data,
   assert_grads_close(gx, rx)
 
 
-def test_gradients_bitwise_against_microbatch_loop():
+def test_gradients_match_the_microbatch_loop():
   """The reference runs the unpipelined stack on each microbatch and adds
   the gradients last microbatch first, as the pipeline's backward loop
-  does: then nothing differs in the arithmetic."""
+  does: then nothing differs in the arithmetic, only in how it compiles."""
   pipe = nn.Pipeline(stages=2, microbatches=4)
   pipelined = nn.Stack(Block, 4, pipeline=pipe)()
   plain = nn.Stack(Block, 4)()
@@ -197,7 +206,7 @@ def test_gradients_bitwise_against_microbatch_loop():
     g_m = step(v, x[m::4])
     total = g_m if total is None else jax.tree_util.tree_map(
         jnp.add, total, g_m)
-  assert_bitwise(g, total)
+  assert_same_arithmetic(g, total)
 
 
 def test_idle_iterations_do_not_leak_and_counters_count_microbatches():
@@ -241,7 +250,7 @@ def test_dropout_draws_the_unpipelined_keys_per_microbatch():
   apply = jax.jit(lambda v, x, key: plain.apply(v, x, rngs={'dropout': key}))
   grad = jax.jit(jax.grad(lambda v, x: apply(v, x, rngs['dropout']).sum()))
   for m in range(4):
-    assert_bitwise(y[m::4], apply(v_plain, x[m::4], rngs['dropout']))
+    assert_same_arithmetic(y[m::4], apply(v_plain, x[m::4], rngs['dropout']))
   # dropout is active: another key, other masks
   assert not np.allclose(y[:4], apply(v_plain, x[:4], jax.random.key(8)))
   total = None
@@ -374,7 +383,7 @@ def test_every_stack_variable_lives_on_its_stage(annotate):
   assert memory.argument_size_in_bytes == total // stages + x.nbytes
   # The values are the unpipelined stack's (repeats=1: the same layout).
   plain = nn.unbox(init(nn.Stack(Annotated, 8)(annotate), x))
-  assert_bitwise(variables, plain)
+  assert_same_arithmetic(variables, plain)
 
 
 def test_init_sharded_rejects_a_stage_axis_the_annotations_misuse():
