@@ -17,8 +17,8 @@ from fuzz import families, harness, pipeline_family, spmd_family
 
 multidevice.require(8)
 
-CI_SEEDS = {'sharded_init': (100, 3), 'shard_map': (101, 2),
-            'pipeline': (100, 2)}
+CI_SEEDS = {'sharded_init': (100, 2), 'shard_map': (101, 1),
+            'pipeline': (100, 1), 'explicit': (100, 1)}
 
 
 @pytest.mark.parametrize('name', sorted(CI_SEEDS))

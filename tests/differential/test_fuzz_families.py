@@ -3,7 +3,7 @@ soak (``python -m benchmarks.fuzz``), and the harness they share: the time
 limit that turns a hang into a failure, replayable draws and shrinking.
 
 The 1-device families run a few fixed seeds here; the 8-device ones
-(``sharded_init``, ``shard_map``, ``pipeline``) run in a process of their
+(``sharded_init``, ``shard_map``, ``pipeline``, ``explicit``) run in a process of their
 own with 8 simulated devices (``fuzz_spmd_cases.py``). Failures the soak
 found and that are not fixed yet are strict xfails there, named after what
 they are.
@@ -40,7 +40,7 @@ def test_every_family_is_registered_with_its_devices():
   assert families.names()[:2] == ['linen', 'stack']
   assert {n: families.devices(n) for n in families.names()} == {
       'linen': 1, 'stack': 1, 'attention': 1, 'lifted': 1, 'state': 1,
-      'sharded_init': 8, 'shard_map': 8, 'pipeline': 8}
+      'sharded_init': 8, 'shard_map': 8, 'pipeline': 8, 'explicit': 8}
   with pytest.raises(KeyError, match="unknown fuzz family 'stak'.*'stack'"):
     families.get('stak')
 

@@ -21,6 +21,7 @@ _FAMILIES = {
     'sharded_init': ('spmd_family:init', 8, 120.0),
     'shard_map': ('spmd_family:map', 8, 120.0),
     'pipeline': ('pipeline_family', 8, 180.0),
+    'explicit': ('spmd_family:explicit', 8, 120.0),
 }
 
 

@@ -1,4 +1,5 @@
-"""Families on 8 simulated CPU devices: ``init_sharded`` and ``nn.shard_map``.
+"""Families on 8 simulated CPU devices: ``init_sharded``, ``nn.shard_map``
+and Explicit meshes.
 
 Imported only in a process started with 8 devices (``families.get``; the
 soak's worker, or a cases file run by ``multidevice.assert_cases_pass``).
@@ -17,6 +18,10 @@ soak's worker, or a cases file run by ``multidevice.assert_cases_pass``).
   allclose, the same output sharding, and no more per-device flops
   (``cost_analysis``) than the hand-written one. Batches the mesh axes do
   not divide must raise a ``ValueError`` on both.
+- ``explicit``: the ``sharded_init`` family's models, initialized with
+  ``init_sharded`` and differentiated on a batch sharded over ``'data'``,
+  on an Explicit mesh against the same on an Auto mesh: loss and gradients
+  allclose, and no more bytes through collectives in the compiled step.
 """
 import dataclasses
 
@@ -292,3 +297,76 @@ def _flops(compiled) -> float:
   if isinstance(cost, (list, tuple)):
     cost = cost[0]
   return float((cost or {}).get('flops', 0.0))
+
+
+# -- explicit -------------------------------------------------------------------
+
+
+def draw_explicit(c: programs.Chooser) -> InitProgram:
+  """A random model, rules and mesh (the sharded_init family's), run on an
+  Explicit mesh (``explicit`` is ignored: both kinds are run)."""
+  return draw_init(c)
+
+
+_COLLECTIVES = ('all-gather', 'all-reduce', 'reduce-scatter',
+                'collective-permute', 'all-to-all')
+
+
+def collective_bytes(hlo: str) -> int:
+  """Bytes of the results of the collectives in compiled HLO text."""
+  import re  # pylint: disable=g-import-not-at-top
+  op = re.compile(r'=\s*(.*?)\s(?:' + '|'.join(_COLLECTIVES) +
+                  r')(?:-start)?\(')
+  total = 0
+  for line in hlo.splitlines():
+    match = op.search(line)
+    if not match:
+      continue
+    for dtype, dims in re.findall(r'([a-z]+\d*)\[([\d,]*)\]',
+                                  match.group(1)):
+      bits = int(re.sub(r'\D', '', dtype) or 8)
+      size = int(np.prod([int(d) for d in dims.split(',') if d] or [1]))
+      total += size * max(bits, 8) // 8
+  return total
+
+
+def check_explicit(prog: InitProgram) -> tuple:
+  """The model initialized with ``init_sharded`` and trained one step on
+  an Explicit mesh, against the same on an Auto mesh: values, gradients,
+  and no more collective bytes in the compiled step."""
+  import liftmods as nn  # pylint: disable=g-import-not-at-top
+  model = _init_model(nn, prog)
+  results = {}
+  for explicit in (False, True):
+    mesh = _mesh(*MESHES[prog.mesh], explicit)
+    x = jax.random.normal(jax.random.key(1), (8, prog.in_features))
+    try:
+      with jax.set_mesh(mesh):
+        x = jax.device_put(x, NamedSharding(mesh, P('data')))
+        variables, _ = nn.init_sharded(model, mesh, prog.rules,
+                                       warn_unmapped=False)(
+                                           jax.random.key(0), x)
+        loss = lambda p, x: jnp.sum(model.apply({'params': p}, x) ** 2)
+        step = jax.jit(jax.value_and_grad(loss))
+        compiled = step.lower(variables['params'], x).compile()
+        out = compiled(variables['params'], x)
+    except ValueError as e:
+      results[explicit] = e
+      continue
+    results[explicit] = (compare._plain(out),  # pylint: disable=protected-access
+                         collective_bytes(compiled.as_text()))
+  auto, explicit = results[False], results[True]
+  if isinstance(auto, Exception) or isinstance(explicit, Exception):
+    if isinstance(auto, Exception) and isinstance(explicit, Exception):
+      return 'both_raise', type(explicit).__name__
+    who = 'Auto' if isinstance(auto, Exception) else 'Explicit'
+    err = auto if isinstance(auto, Exception) else explicit
+    return 'mismatch', f'only the {who} mesh raised {type(err).__name__}: ' \
+        f'{str(err)[:300]}'
+  d = compare.diff_trees(auto[0], explicit[0], exact=False)
+  if d:
+    return 'mismatch', f'values: {d}'
+  if explicit[1] > auto[1]:
+    return 'mismatch', (f'collective bytes: Explicit {explicit[1]}, Auto '
+                        f'{auto[1]}')
+  return 'ok', ''
