@@ -231,7 +231,7 @@ def check_map(prog: MapProgram) -> tuple:
   names = set(prog.manual) if prog.manual else set(mesh.axis_names)
   x = jax.random.normal(jax.random.key(42), (prog.batch,) +
                         programs.INPUT_SHAPE[1:])
-  params = block().init(jax.random.key(0), x[:1])['params']
+  params = block().init(jax.random.key(0), x[:1]).get('params', {})
 
   class Mapped(nn.Module):
 
