@@ -321,6 +321,7 @@ def run(case_name: str, pattern: str, kind) -> dict:
     compiled = jax.jit(_step(model, case)).lower(variables, x).compile()
     out = compiled(variables, x)
   return dict(out=jax.device_get(out), hlo=compiled.as_text(),
+              out_spec=out[1].sharding.spec,
               temp=compiled.memory_analysis().temp_size_in_bytes)
 
 

@@ -47,11 +47,12 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from jax import lax, random
 from jax.sharding import PartitionSpec
 
 from liftmods import errors
-from liftmods.core import meta
+from liftmods.core import explicit, meta
 from liftmods.core.filters import intersect, union
 from liftmods.core.pack import outer_scopes, pack, unzip2, var_name
 from liftmods.core.rng_counters import restore_scopes, snapshot_scopes
@@ -187,13 +188,31 @@ def _is_spec(x) -> bool:
   return x is None or isinstance(x, PartitionSpec)
 
 
-def _reshard(specs, tree, mesh):
-  """``tree`` laid out as ``specs`` (a tree prefix) says: on a mesh with
-  Explicit axes an array's type carries its sharding, and ``jax.shard_map``
-  takes only inputs already laid out as their in_specs."""
+def _with_kept_axes(x, spec, manual):
+  """``spec`` (over manual axes) with, per dimension, the axes ``x``'s type
+  already shards it over that are not manual: those stay with the
+  partitioner, so a batch split over an Explicit ``data`` axis stays split
+  when only ``model`` is manual."""
+  kept = explicit.spec_of(x) if explicit.explicit_mesh(x) else ()
+  entries = []
+  for i, entry in enumerate(tuple(spec) + (None,) * (jnp.ndim(x) - len(spec))):
+    others = tuple(a for a in meta.spec_axes(kept[i] if i < len(kept) else None)
+                   if a not in manual)
+    axes = others + meta.spec_axes(entry)
+    entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+  return PartitionSpec(*entries)
+
+
+def _reshard(specs, tree, mesh, manual):
+  """``tree`` laid out as ``specs`` (a tree prefix) says on the manual
+  axes, keeping its layout on the others: on a mesh with Explicit axes an
+  array's type carries its sharding, and ``jax.shard_map`` takes only
+  inputs already laid out as their in_specs."""
   def one(spec, sub):
     spec = PartitionSpec() if spec is None else spec
-    return jax.tree_util.tree_map(lambda x: meta.constrain(x, spec, mesh), sub)
+    return jax.tree_util.tree_map(
+        lambda x: meta.constrain(x, _with_kept_axes(x, spec, manual), mesh),
+        sub)
   return jax.tree_util.tree_map(one, specs, tree, is_leaf=_is_spec)
 
 
@@ -283,7 +302,7 @@ def shard_map(fn: Callable[..., Any], mesh: Any, in_specs: Any,
     all_in_specs = (var_specs, PartitionSpec(), tuple(in_specs))
     inputs = (plain_in, rng_groups, args)
     if _explicit(the_mesh, manual):
-      inputs = _reshard(all_in_specs, inputs, the_mesh)
+      inputs = _reshard(all_in_specs, inputs, the_mesh, manual)
 
     def run(out_var_specs, check):
       return jax.shard_map(
