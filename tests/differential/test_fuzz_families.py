@@ -93,3 +93,21 @@ def test_shrink_keeps_the_kind_of_failure():
   family = harness.Family('toy', _toy_family(None).draw, check)
   program, _, detail, _ = harness.shrink(family, [5, 5], 'mismatch')
   assert program == (1, 0) and detail.endswith('ValueError: x')
+
+
+def test_the_soak_reads_a_silent_worker_as_a_hang():
+  """The soak's parent reads each worker's result lines with a time limit:
+  a worker that goes silent (a hung program) ends the read with None."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  from benchmarks import fuzz  # pylint: disable=g-import-not-at-top
+  proc = subprocess.Popen(
+      [sys.executable, '-c', "print('@@ {}', flush=True); print('x', "
+       "flush=True); import time; time.sleep(60)"], stdout=subprocess.PIPE)
+  try:
+    start = time.monotonic()
+    assert list(fuzz._read_lines(proc, 3)) == ['@@ {}', 'x', None]  # pylint: disable=protected-access
+    assert time.monotonic() - start < 30
+  finally:
+    proc.kill()
+    proc.wait()
