@@ -76,6 +76,13 @@ def _model(nn, block, length, policy, pipeline):
   return Model()
 
 
+def _relayout(tree, move):
+  """``tree`` with the stack's variables moved (a block may have none)."""
+  if 'blocks' not in tree:
+    return tree
+  return {**tree, 'blocks': move(dict(tree['blocks']))}
+
+
 def check(prog: Program) -> tuple:
   """The pipelined step against the unpipelined one (module docstring)."""
   import liftmods as nn  # pylint: disable=g-import-not-at-top
@@ -100,8 +107,7 @@ def check(prog: Program) -> tuple:
                        repeats=prog.repeats, mode=prog.mode,
                        remat_iterations=prog.remat_iterations)
     model = _model(nn, block, length, policy, pipe)
-    stack = dict(params['blocks'])
-    p = {**params, 'blocks': pipe.to_pipeline_layout(stack)}
+    p = _relayout(params, pipe.to_pipeline_layout)
     grad_fn = (jax.value_and_grad if prog.mode == 'gpipe' else
                nn.pipeline.value_and_grad)
     with jax.set_mesh(mesh):
@@ -111,7 +117,7 @@ def check(prog: Program) -> tuple:
       loss, grads = jax.jit(grad_fn(loss_of(model)))(p, x, y)
   except ValueError as e:
     return 'both_raise', f'{type(e).__name__}: {str(e)[:80]}'
-  grads = {**grads, 'blocks': pipe.to_stack_layout(dict(grads['blocks']))}
+  grads = _relayout(grads, pipe.to_stack_layout)
   if not np.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6):
     return 'mismatch', f'loss {float(loss)} vs unpipelined {float(ref_loss)}'
   flat = jax.tree_util.tree_flatten_with_path(ref_grads)[0]
