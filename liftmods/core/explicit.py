@@ -43,6 +43,7 @@ from jax import lax
 
 from liftmods import errors
 from liftmods import jax_private
+from liftmods.core import caching
 
 PartitionSpec = jax.sharding.PartitionSpec
 Labels = Sequence[Hashable]
@@ -53,6 +54,13 @@ def _explicit_axes(mesh) -> frozenset:
   return frozenset(
       name for name, kind in zip(mesh.axis_names, mesh.axis_types)
       if kind == jax.sharding.AxisType.Explicit)
+
+
+caching.register('core.explicit._explicit_axes', caching.Policy(
+    holds="the names of a mesh's Explicit axes",
+    keyed_on='the (abstract) mesh',
+    bound='64 entries',
+    cleared='on eviction'), clear=_explicit_axes.cache_clear)
 
 
 def explicit_mesh(*arrays):
