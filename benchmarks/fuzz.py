@@ -77,10 +77,12 @@ def _work():
   family = families.get(F.family[0])
   _configure(family)
   if F.replay:
+    start = time.perf_counter()
     program, draws, verdict, detail = harness.run_draws(
         family, [int(v) for v in F.replay])
     print(harness.report(family, F.seed, program, draws, verdict, detail))
-    _emit(seed=F.seed, verdict=verdict, seconds=0)
+    _emit(seed=F.seed, verdict=verdict, seconds=time.perf_counter() - start,
+          detail=detail.splitlines()[0] if detail else '')
     return
   for seed in range(F.seed, F.seed + F.programs):
     start = time.perf_counter()
@@ -226,9 +228,10 @@ def main(argv):
   for name in names:
     limit = F.limit_s or families.limit_s(name)
     tallies.append(_run_family(name, families.devices(name), limit))
+  seeds = ('a replay' if F.replay else
+           f'seeds {F.seed}..{F.seed + F.programs - 1} per family')
   print(f'\n{sum(t.done for t in tallies)} programs in '
-        f'{time.perf_counter() - start:.0f}s (seeds {F.seed}..'
-        f'{F.seed + F.programs - 1} per family)')
+        f'{time.perf_counter() - start:.0f}s ({seeds})')
   for tally in tallies:
     print(tally.summary())
 

@@ -129,11 +129,11 @@ def check(prog: Program) -> tuple:
   # The block's own init draws from the root key as 'block' would: compare
   # the trees and shapes; the values come from different paths.
   zeros = lambda t: jax.tree_util.tree_map(np.zeros_like, compare._plain(t))  # pylint: disable=protected-access
-  d = compare.diff_trees(zeros(own['params']),
-                         zeros(variables['params']['block']), exact=True)
+  params = variables.get('params', {}).get('block', {})
+  d = compare.diff_trees(zeros(own.get('params', {})), zeros(params),
+                         exact=True)
   if d:
     return 'mismatch', f'init: {d}'
-  params = variables['params']['block']
   reference = _reference(block, prog)
 
   def ours(p, x):
