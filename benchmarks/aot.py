@@ -25,6 +25,7 @@ the largest size of a model the compiler fits with few full compiles.
 
   python -m benchmarks.stack --topology=v5e:2x2 --hidden=512 --batch=16384
 """
+import collections
 import dataclasses
 import importlib.util
 import math
@@ -39,9 +40,16 @@ import numpy as np
 flags.DEFINE_string(
     'topology', '', 'compile for this TPU slice instead of running, e.g. '
     'v5e:2x2, v5e:16x16, v5p:8x8x16 (needs libtpu: pip install -e ".[tpu]")')
+flags.DEFINE_integer(
+    'num_slices', 1, 'with --topology: that many slices of it, joined by the '
+    'data-center network (DCN); the same as --topology=Nx<topology>')
+flags.DEFINE_list(
+    'dcn_axes', [], 'mesh axes that span slices, as AXIS:SLICES (e.g. data:2 '
+    'or stage:2,data:2); default: the mesh\'s first axis spans them all')
 
 MIB = 2.0**20
 GIB = 2.0**30
+FLAGS = flags.FLAGS
 
 # Per-chip peak dense bf16 FLOP/s and HBM capacity, from the Cloud TPU system
 # architecture pages (cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e).
@@ -62,9 +70,52 @@ def libtpu_available() -> bool:
   return importlib.util.find_spec('libtpu') is not None
 
 
+class MeshTopologyError(ValueError):
+  """A mesh that does not fit the slices or devices of a topology."""
+
+
+def split_slices(topology: str) -> tuple[str, int]:
+  """``('v5e:4x4', 2)`` of ``'2xv5e:4x4'`` (two slices of v5e:4x4);
+  ``(topology, 1)`` for a name without a slice count."""
+  m = re.fullmatch(r'(\d+)x([a-z].*)', topology)
+  if not m:
+    return topology, 1
+  if int(m.group(1)) < 1:
+    raise MeshTopologyError(f'topology {topology!r}: the slice count must be '
+                            f'at least 1, not {m.group(1)}.')
+  return m.group(2), int(m.group(1))
+
+
+def with_slices(topology: str, num_slices: int) -> str:
+  """The name of ``num_slices`` slices of ``topology`` ('2xv5e:4x4').
+
+  Args:
+    topology: a slice name ('v5e:4x4'), or one with a count ('2xv5e:4x4').
+    num_slices: how many slices; 1 keeps ``topology`` as it is.
+  """
+  base, count = split_slices(topology)
+  if num_slices < 1:
+    raise MeshTopologyError(f'--num_slices={num_slices}: expected at least 1.')
+  if num_slices == 1:
+    return topology
+  if count != 1 and count != num_slices:
+    raise MeshTopologyError(
+        f'topology {topology!r} names {count} slices but --num_slices='
+        f'{num_slices}; give the count once.')
+  return f'{num_slices}x{base}'
+
+
+def flag_topology() -> str:
+  """``--topology`` with ``--num_slices`` folded in ('' without it)."""
+  if not FLAGS.topology:
+    return ''
+  return with_slices(FLAGS.topology, FLAGS.num_slices)
+
+
 def chip(topology: str) -> dict:
-  """Peak FLOP/s and HBM GiB of the chip named by ``topology`` ('v5e:2x2')."""
-  name = topology.split(':')[0].split('-')[0]
+  """Peak FLOP/s and HBM GiB of the chip named by ``topology`` ('v5e:2x2',
+  '2xv5e:2x2')."""
+  name = split_slices(topology)[0].split(':')[0].split('-')[0]
   if name not in CHIPS:
     raise ValueError(f'topology {topology!r}: unknown chip {name!r}; known: '
                      f'{sorted(CHIPS)}.')
@@ -72,7 +123,8 @@ def chip(topology: str) -> dict:
 
 
 def topology_devices(topology: str) -> list:
-  """The abstract TPU devices of ``topology`` (compile-only, no TPU needed).
+  """The abstract TPU devices of ``topology`` (compile-only, no TPU needed);
+  ``'2xv5e:4x4'`` gives two slices' devices, each with its ``slice_index``.
 
   Raises LibtpuMissingError naming what to install when libtpu is absent.
   """
@@ -89,24 +141,145 @@ def topology_devices(topology: str) -> list:
   # Compiling needs no TPU, so several processes (test workers) may load it.
   os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  base, count = split_slices(topology)
+  extra = {'num_slices': count} if count > 1 else {}
   return list(topologies.get_topology_desc(
-      platform='tpu', topology_name=topology).devices)
+      platform='tpu', topology_name=base, **extra).devices)
 
 
-def topology_mesh(topology: str, axes: dict) -> jax.sharding.Mesh:
-  """A mesh over the devices of ``topology``; ``axes`` maps axis names to
-  sizes, one of which may be -1 (the rest of the devices)."""
+def slice_indices(devices) -> list[int]:
+  """The slice of each of ``devices`` (0 for devices without one)."""
+  return [getattr(d, 'slice_index', 0) for d in devices]
+
+
+def parse_dcn_axes(spec) -> dict:
+  """``{'data': 2}`` of ``['data:2']`` (the ``--dcn_axes`` form).
+
+  Args:
+    spec: entries ``AXIS:SLICES``, as a list or one comma-separated string.
+  """
+  entries = spec.split(',') if isinstance(spec, str) else list(spec)
+  dcn = {}
+  for entry in filter(None, (e.strip() for e in entries)):
+    m = re.fullmatch(r'(\w+):(\d+)', entry)
+    if not m or int(m.group(2)) < 1:
+      raise MeshTopologyError(f'--dcn_axes entry {entry!r}: expected '
+                              'AXIS:SLICES, e.g. data:2.')
+    dcn[m.group(1)] = int(m.group(2))
+  return dcn
+
+
+def default_dcn(axes: dict, num_slices: int) -> dict:
+  """The axes that span slices when a caller names none: ``--dcn_axes``
+  once flags are parsed, else the mesh's first axis over every slice."""
+  if num_slices == 1:
+    return {}
+  if FLAGS.is_parsed() and FLAGS.dcn_axes:
+    return parse_dcn_axes(FLAGS.dcn_axes)
+  return {next(iter(axes)): num_slices}
+
+
+def _resolve(name: str, axes: dict, total: int) -> dict:
+  """``axes`` with its one -1 size replaced by what the devices leave."""
+  sizes = dict(axes)
+  free = [a for a, s in sizes.items() if s == -1]
+  if len(free) > 1:
+    raise MeshTopologyError(f'{name}: mesh {axes} may leave one axis size '
+                            f'to the devices (-1), not {len(free)}.')
+  if free:
+    known = math.prod(s for s in sizes.values() if s != -1)
+    if total % known:
+      raise MeshTopologyError(
+          f'{name}: mesh {axes} cannot use its {total} devices: they are not '
+          f'a multiple of the other axes\' {known}.')
+    sizes[free[0]] = total // known
+  return sizes
+
+
+def hybrid_shapes(name: str, axes: dict, dcn: dict, num_slices: int,
+                  per_slice: int) -> tuple[dict, dict]:
+  """The per-axis factors ``(within a slice, across slices)`` of a mesh.
+
+  Args:
+    name: the topology, for errors.
+    axes: axis name -> size, one of which may be -1 (the rest).
+    dcn: axis name -> how many slices it spans (their product is
+      ``num_slices``; axes not named span none).
+    num_slices: slices of the topology.
+    per_slice: devices in each slice.
+
+  Raises MeshTopologyError naming the axis and the numbers when the mesh
+  does not fit.
+  """
+  for axis in dcn:
+    if axis not in axes:
+      raise MeshTopologyError(f'{name}: DCN axis {axis!r} is not an axis of '
+                              f'the mesh {tuple(axes)}.')
+  spans = math.prod(dcn.values())
+  if spans != num_slices:
+    raise MeshTopologyError(
+        f'{name}: the DCN axes {dcn} span {spans} slices; the topology has '
+        f'{num_slices}.')
+  sizes = _resolve(name, axes, num_slices * per_slice)
+  for axis, size in sizes.items():
+    if size % dcn.get(axis, 1):
+      raise MeshTopologyError(
+          f'{name}: mesh axis {axis!r} of size {size} cannot span '
+          f'{dcn[axis]} slices ({size} is not a multiple of {dcn[axis]}).')
+  ici = {a: s // dcn.get(a, 1) for a, s in sizes.items()}
+  if math.prod(ici.values()) != per_slice:
+    where = '' if num_slices == 1 else f' per slice ({ici}, with {dcn} across)'
+    raise MeshTopologyError(
+        f'{name}: mesh {sizes} needs {math.prod(ici.values())} devices'
+        f'{where}; a slice has {per_slice}.')
+  return ici, {a: dcn.get(a, 1) for a in sizes}
+
+
+def _per_slice(topology: str, devices, num_slices: int) -> int:
+  """Devices in each slice, after checking there are ``num_slices`` equal
+  ones."""
+  counts = collections.Counter(slice_indices(devices))
+  if len(counts) != num_slices or len(set(counts.values())) != 1:
+    raise MeshTopologyError(
+        f'{topology}: expected {num_slices} slices of equal size; the '
+        f'compiler gave devices per slice {dict(sorted(counts.items()))}.')
+  return len(devices) // num_slices
+
+
+def topology_mesh(topology: str, axes: dict,
+                  dcn: dict | None = None) -> jax.sharding.Mesh:
+  """A mesh over the devices of ``topology``.
+
+  Over several slices ('2xv5e:4x4') the mesh is hybrid: each axis of
+  ``dcn`` is split into its slices (outermost) times the devices within a
+  slice, so collectives over the other axes stay on the chips' interconnect.
+
+  Args:
+    topology: a topology name, with a slice count or not.
+    axes: axis name -> size, one of which may be -1 (the rest of the
+      devices).
+    dcn: axis name -> how many slices it spans; default ``default_dcn``.
+  """
   devices = topology_devices(topology)
-  sizes = list(axes.values())
-  if sizes.count(-1) == 1:
-    known = math.prod(s for s in sizes if s != -1)
-    sizes[sizes.index(-1)] = len(devices) // known
-  if math.prod(sizes) != len(devices):
-    raise ValueError(f'mesh {dict(zip(axes, sizes))} needs {math.prod(sizes)} '
-                     f'devices; {topology} has {len(devices)}.')
-  auto = (jax.sharding.AxisType.Auto,) * len(sizes)
-  return jax.sharding.Mesh(np.array(devices).reshape(sizes), tuple(axes),
-                           axis_types=auto)
+  num_slices = split_slices(topology)[1]
+  dcn = default_dcn(axes, num_slices) if dcn is None else dict(dcn)
+  per_slice = _per_slice(topology, devices, num_slices)
+  ici, over = hybrid_shapes(topology, axes, dcn, num_slices, per_slice)
+  auto = (jax.sharding.AxisType.Auto,) * len(axes)
+  if num_slices == 1:
+    grid = np.array(devices).reshape(list(ici.values()))
+  else:
+    from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top
+    grid = mesh_utils.create_hybrid_device_mesh(
+        list(ici.values()), list(over.values()), devices,
+        allow_split_physical_axes=True)
+  return jax.sharding.Mesh(grid, tuple(axes), axis_types=auto)
+
+
+def device_slices(mesh: jax.sharding.Mesh) -> list[int]:
+  """The slice of each device of ``mesh`` in the order a compiled
+  program's replica groups number them (the mesh's devices, flattened)."""
+  return slice_indices(mesh.devices.flat)
 
 
 def abstract(tree, shardings):

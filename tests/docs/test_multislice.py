@@ -1,0 +1,229 @@
+"""Multi-slice plans without libtpu: slice counts in topology names, the
+hybrid mesh's shapes and its errors (pure arithmetic over device counts),
+and the DCN / ICI classifier of ``benchmarks/traffic.py`` on hand-written
+HLO. The same paths compiled for real slices are in tests/tpu."""
+import types
+
+import pytest
+
+from benchmarks import aot
+from benchmarks import traffic
+
+
+@pytest.mark.parametrize('name,expected', [
+    ('v5e:4x4', ('v5e:4x4', 1)), ('2xv5e:4x4', ('v5e:4x4', 2)),
+    ('4xv5p:8x8x8', ('v5p:8x8x8', 4)), ('v5litepod-16', ('v5litepod-16', 1)),
+])
+def test_split_slices_reads_the_count_prefix(name, expected):
+  assert aot.split_slices(name) == expected
+
+
+def test_with_slices_folds_the_flag_into_the_name():
+  assert aot.with_slices('v5p:8x8x8', 4) == '4xv5p:8x8x8'
+  assert aot.with_slices('v5e:2x2', 1) == 'v5e:2x2'
+  assert aot.with_slices('2xv5e:2x2', 2) == '2xv5e:2x2'
+  with pytest.raises(aot.MeshTopologyError, match=r'names 2 slices but '
+                     r'--num_slices=4'):
+    aot.with_slices('2xv5e:2x2', 4)
+  with pytest.raises(aot.MeshTopologyError, match='at least 1'):
+    aot.with_slices('v5e:2x2', 0)
+  with pytest.raises(aot.MeshTopologyError, match='at least 1, not 0'):
+    aot.split_slices('0xv5e:2x2')
+
+
+def test_chip_of_a_multislice_name_is_the_slices_chip():
+  assert aot.chip('4xv5p:8x8x8') == aot.CHIPS['v5p']
+  assert aot.chip('2xv5e:16x16')['hbm_gib'] == 16
+
+
+def test_parse_dcn_axes():
+  assert aot.parse_dcn_axes(['data:2']) == {'data': 2}
+  assert aot.parse_dcn_axes('stage:2,data:2') == {'stage': 2, 'data': 2}
+  assert aot.parse_dcn_axes([]) == {}
+  for bad in ('data', 'data:x', 'data:0'):
+    with pytest.raises(aot.MeshTopologyError, match=f'entry {bad!r}: expected '
+                       'AXIS:SLICES'):
+      aot.parse_dcn_axes([bad])
+
+
+def test_default_dcn_puts_every_slice_on_the_first_axis():
+  assert aot.default_dcn({'stage': 2, 'data': -1}, 1) == {}
+  assert aot.default_dcn({'stage': 4, 'data': -1}, 4) == {'stage': 4}
+  assert aot.default_dcn({'data': -1, 'model': 4}, 2) == {'data': 2}
+
+
+@pytest.mark.parametrize('axes,dcn,slices,per_slice,ici,over', [
+    # data parallel across 2 slices of 16: data 8 = 2 slices x 4 chips
+    ({'data': -1, 'model': 4}, {'data': 2}, 2, 16,
+     {'data': 4, 'model': 4}, {'data': 2, 'model': 1}),
+    # one stage per slice, the batch over each slice's chips
+    ({'stage': 4, 'data': -1}, {'stage': 4}, 4, 256,
+     {'stage': 1, 'data': 256}, {'stage': 4, 'data': 1}),
+    # both: 2 stages x 2 data replicas across 4 slices
+    ({'stage': 2, 'data': -1}, {'stage': 2, 'data': 2}, 4, 8,
+     {'stage': 1, 'data': 8}, {'stage': 2, 'data': 2}),
+    # one slice: the plain mesh
+    ({'data': -1}, {}, 1, 4, {'data': 4}, {'data': 1}),
+])
+def test_hybrid_shapes_split_each_axis_into_slices_and_chips(
+    axes, dcn, slices, per_slice, ici, over):
+  assert aot.hybrid_shapes('t', axes, dcn, slices, per_slice) == (ici, over)
+
+
+@pytest.mark.parametrize('axes,dcn,slices,per_slice,message', [
+    ({'data': -1}, {'pipe': 2}, 2, 4,
+     r"2xv5e:2x2: DCN axis 'pipe' is not an axis of the mesh \('data',\)"),
+    ({'stage': 2, 'data': -1}, {'stage': 2}, 4, 4,
+     r"the DCN axes \{'stage': 2\} span 2 slices; the topology has 4"),
+    ({'stage': 3, 'data': -1}, {'data': 2}, 2, 4,
+     r"mesh \{'stage': 3, 'data': -1\} cannot use its 8 devices: they are "
+     r"not a multiple of the other axes' 3"),
+    ({'stage': 2, 'data': 3}, {'data': 2}, 2, 3,
+     r"mesh axis 'data' of size 3 cannot span 2 slices \(3 is not a "
+     r'multiple of 2\)'),
+    ({'stage': 2, 'data': 4}, {'stage': 2}, 2, 8,
+     r"mesh \{'stage': 2, 'data': 4\} needs 4 devices per slice "
+     r"\(\{'stage': 1, 'data': 4\}, with \{'stage': 2\} across\); a slice "
+     r'has 8'),
+    ({'data': 8}, {}, 1, 4, r"mesh \{'data': 8\} needs 8 devices; a slice "
+     r'has 4\.'),
+    ({'a': -1, 'b': -1}, {'a': 2}, 2, 4, r'one axis size to the devices '
+     r'\(-1\), not 2'),
+])
+def test_hybrid_shapes_errors_name_the_axis_and_the_numbers(
+    axes, dcn, slices, per_slice, message):
+  with pytest.raises(aot.MeshTopologyError, match=message):
+    aot.hybrid_shapes('2xv5e:2x2', axes, dcn, slices, per_slice)
+
+
+def test_topology_mesh_refuses_slices_the_compiler_did_not_give(monkeypatch):
+  fake = [types.SimpleNamespace(slice_index=s) for s in (0, 0, 0, 1)]
+  monkeypatch.setattr(aot, 'topology_devices', lambda _: fake)
+  with pytest.raises(aot.MeshTopologyError, match=r"2xv5e:2x2: expected 2 "
+                     r'slices of equal size; the compiler gave devices per '
+                     r'slice \{0: 3, 1: 1\}'):
+    aot.topology_mesh('2xv5e:2x2', {'data': -1})
+
+
+# -- traffic by network ------------------------------------------------------
+
+# A global program over 8 devices (slices 0-3 and 4-7 in the test's map):
+# a loop of 5 runs whose body has a cross-slice collective-permute, a fusion
+# calling an in-slice reduce-scatter, and a nested loop of 3 runs with an
+# all-gather over iota groups [4,2]<=[2,4]T(1,0) ({0,4},{1,5},...: across
+# slices); the entry has an async all-reduce over all devices and an async
+# all-gather within slices.
+GLOBAL_HLO = """\
+HloModule jit_step, is_scheduled=true, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%fused_rs (p: f32[64]) -> f32[16] {
+  %p = f32[64]{0} parameter(0)
+  ROOT %rs = f32[16]{0} reduce-scatter(%p), channel_id=3, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, to_apply=%add
+}
+
+%inner_body (t: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %t = (s32[], f32[8]{0}) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%t), index=1
+  %ag = bf16[16]{0} all-gather(%x), channel_id=4, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}
+  ROOT %r = (s32[], f32[8]{0}) tuple(%i, %x)
+}
+
+%inner_cond (t: (s32[], f32[8])) -> pred[] {
+  ROOT %c = pred[] constant(true)
+}
+
+%outer_body (t: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %t = (s32[], f32[8]{0}) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%t), index=1
+  %cp = f32[8]{0} collective-permute(%x), channel_id=1, source_target_pairs={{0,4},{4,0},{1,5},{5,1}}
+  %f = f32[16]{0} fusion(%y), kind=kOutput, calls=%fused_rs
+  %w = (s32[], f32[8]{0}) while(%t), condition=%inner_cond, body=%inner_body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %r = (s32[], f32[8]{0}) tuple(%i, %cp)
+}
+
+%outer_cond (t: (s32[], f32[8])) -> pred[] {
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %ars = f32[32]{0} all-reduce-start(%x), channel_id=5, replica_groups={}, to_apply=%add
+  %ard = f32[32]{0} all-reduce-done(%ars)
+  %ags = (f32[8]{0}, f32[32]{0}) all-gather-start(%x), channel_id=6, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
+  %agd = f32[32]{0} all-gather-done(%ags)
+  %w = (s32[], f32[8]{0}) while(%t), condition=%outer_cond, body=%outer_body, backend_config={"known_trip_count":{"n":"5"}}
+  ROOT %out = f32[8]{0} get-tuple-element(%w), index=1
+}
+"""
+TWO_SLICES = [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_traffic_classifies_each_collective_by_its_groups_and_counts_runs():
+  assert traffic.traffic(GLOBAL_HLO, TWO_SLICES) == {
+      ('dcn', 'collective-permute'): 5 * 8 * 4,
+      ('ici', 'reduce-scatter'): 5 * 16 * 4,
+      ('dcn', 'all-gather'): 5 * 3 * 16 * 2,
+      ('dcn', 'all-reduce'): 32 * 4,  # replica_groups={}: every device
+      ('ici', 'all-gather'): 32 * 4,  # the async result, not its operand
+  }
+
+
+def test_the_same_program_on_one_slice_is_all_ici():
+  table = traffic.traffic(GLOBAL_HLO, [0] * 8)
+  assert traffic.network_bytes(table, 'dcn') == 0
+  assert traffic.network_bytes(table, 'ici') == (
+      5 * 8 * 4 + 5 * 16 * 4 + 5 * 3 * 16 * 2 + 32 * 4 + 32 * 4)
+
+
+def test_slices_split_elsewhere_change_the_network():
+  # slices {0,1}, {2,3}, ...: the permute pairs {0,4} cross, the iota
+  # groups {0,4},{1,5} cross, the in-slice groups of 4 cross too.
+  table = traffic.traffic(GLOBAL_HLO, [0, 0, 1, 1, 2, 2, 3, 3])
+  assert traffic.network_bytes(table, 'ici') == 0
+
+
+# The TPU compiler's per-slice program (4 devices of a 2-slice job): the
+# cross-slice half of an all-reduce is a megascale send, 4 times in a loop.
+PER_SLICE_HLO = """\
+HloModule jit_f, is_scheduled=true, num_partitions=4
+
+%body (t: (s32[], f32[64,128])) -> (s32[], f32[64,128]) {
+  %t = (s32[], f32[64,128]{1,0}) parameter(0)
+  %g = f32[64,128]{1,0} get-tuple-element(%t), index=1
+  %send = (f32[64,128]{1,0:T(8,128)}, u32[], token[]) send(%g, %after-all), channel_id=2, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_host_transfer_rendezvous="all-reduce_0",_xla_megascale_transfer_type="ALL_REDUCE"}
+  %recv = (f32[64,128]{1,0:T(8,128)}, u32[], token[]) recv(%after-all), channel_id=1, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_megascale_transfer_type="ALL_REDUCE"}
+  %ar = f32[64,128]{1,0} all-reduce(%g), channel_id=3, replica_groups={{0,1,2,3}}, to_apply=%add
+  ROOT %r = (s32[], f32[64,128]{1,0}) tuple(%i, %ar)
+}
+
+%cond (t: (s32[], f32[64,128])) -> pred[] {
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main.0_spmd (x: f32[64,128]) -> f32[64,128] {
+  %x = f32[64,128]{1,0} parameter(0)
+  %w = (s32[], f32[64,128]{1,0}) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %o = f32[64,128]{1,0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_megascale_sends_are_dcn_and_the_per_slice_program_is_ici():
+  found = traffic.transfers(PER_SLICE_HLO, TWO_SLICES)
+  assert [(t.network, t.kind, t.bytes, t.runs) for t in found] == [
+      ('dcn', 'all-reduce', 64 * 128 * 4, 4),
+      ('ici', 'all-reduce', 64 * 128 * 4, 4)]
+  assert traffic.summary(traffic.traffic(PER_SLICE_HLO, TWO_SLICES)) == (
+      'dcn all-reduce 0.12 MiB; ici all-reduce 0.12 MiB')
+
+
+def test_traffic_refuses_a_slice_map_of_another_device_count():
+  with pytest.raises(ValueError, match=r'runs on 8 devices; slice_of names '
+                     r'12 devices in 2 slices'):
+    traffic.traffic(GLOBAL_HLO, [0] * 6 + [1] * 6)
