@@ -12,8 +12,15 @@ out_shardings=...)`` recipe) and runs an optax AdamW step under
 Figures, per library: trace+lower time of the sharded train step (fresh
 function each time, so nothing is cached), per-device parameter and
 optimizer-state bytes, per-device temp bytes of the sharded init and of the
-train step (``compiled.memory_analysis()``), and the compiled step time.
-Targets are printed next to the figures.
+train step (``compiled.memory_analysis()``), the bytes the compiled step's
+collectives produce per device (``explicit_layers.collective_bytes``), and
+the compiled step time. Targets are printed next to the figures.
+
+The same liftmods model then runs on the same mesh made with
+``AxisType.Explicit`` axes (``jax.make_mesh``'s default), with the same
+rules and loss, and its rows are printed beside the Auto ones with the
+ratios Explicit/Auto. flax.linen is tried on the Explicit mesh too; it fails
+there, and the binary prints its error's class.
 
 On CPU the mesh's devices are simulated: the binary sets
 ``--xla_force_host_platform_device_count`` (from ``--mesh``) before JAX is
@@ -71,6 +78,7 @@ from jax.sharding import PartitionSpec as P
 import liftmods as lnn
 from benchmarks import aot
 from benchmarks import spmd_model
+from benchmarks.explicit_layers import collective_bytes
 
 flags.DEFINE_string('mesh', 'data:2,fsdp:2,tensor:2',
                     'mesh axes as name:size,... (data, fsdp, tensor); with '
@@ -92,16 +100,26 @@ def mesh_axes() -> dict:
   return {n: int(s) for n, s in (p.split(':') for p in F.mesh.split(','))}
 
 
-def make_mesh():
+def make_mesh(kind: AxisType = AxisType.Auto):
+  """The ``--mesh`` axes over the local devices, every axis of type ``kind``."""
   axes = mesh_axes()
   return jax.make_mesh(tuple(axes.values()), tuple(axes),
-                       axis_types=(AxisType.Auto,) * len(axes))
+                       axis_types=(kind,) * len(axes))
 
 
 def topology_mesh():
   """The ``--mesh`` axes over the chips of ``--topology`` (no TPU needed;
   LibtpuMissingError without libtpu)."""
   return aot.topology_mesh(F.topology, mesh_axes())
+
+
+def cross_entropy(logits, targets):
+  """Mean next-token cross-entropy with one-hot labels. Picking the target
+  logits by index is a gather along the vocabulary, which JAX refuses on an
+  Explicit mesh where that dimension is sharded; every row of the table
+  uses this one loss, so the two meshes run the same computation."""
+  labels = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
+  return optax.softmax_cross_entropy(logits, labels).mean()
 
 
 def train_step(model, tx):
@@ -111,8 +129,7 @@ def train_step(model, tx):
 
     def loss_fn(p):
       logits = model.apply({'params': p}, tokens[:, :-1])
-      return optax.softmax_cross_entropy_with_integer_labels(
-          logits, tokens[:, 1:]).mean()
+      return cross_entropy(logits, tokens[:, 1:])
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -200,6 +217,7 @@ def measure(name, lib, mesh, key, tokens, batch):
       init_temp=init_mem.temp_size_in_bytes,
       init_out=init_mem.output_size_in_bytes,
       step_temp=step_mem.temp_size_in_bytes, loss=float(loss),
+      collectives=collective_bytes(compiled.as_text()),
       program=_program(compiled))
 
 
@@ -293,29 +311,31 @@ def aot_main():
   return results
 
 
-def main(_):
-  if F.topology:
-    aot_main()
-    return
-  mesh = make_mesh()
-  key = jax.random.key(0)
-  tokens = jax.random.randint(jax.random.key(1), (F.batch, F.seq + 1), 0,
-                              F.vocab)
-  batch_axes = tuple(a for a in ('data', 'fsdp') if a in mesh.shape)
-  batch = jax.device_put(tokens, NamedSharding(mesh, P(batch_axes)))
-  print(f'devices: {jax.device_count()} x {jax.devices()[0].device_kind} '
-        f'({jax.default_backend()}), mesh {dict(mesh.shape)}; decoder '
-        f'layers={F.layers} hidden={F.hidden} heads={F.heads} '
-        f'vocab={F.vocab}, batch={F.batch}x{F.seq}; jax {jax.__version__}')
-  ours = measure('liftmods', lnn, mesh, key, tokens, batch)
-  theirs = measure('flax.linen', fnn, mesh, key, tokens, batch)
-  # Interleaved, so that load on a shared machine hits both alike.
-  samples = {(r['name'], k): [] for r in (ours, theirs)
+def batch_on(mesh, tokens):
+  """``tokens`` with the batch split over the mesh's data axes."""
+  axes = tuple(a for a in ('data', 'fsdp') if a in mesh.shape)
+  return jax.device_put(tokens, NamedSharding(mesh, P(axes)))
+
+
+def linen_failure(mesh, key, tokens) -> str:
+  """How flax.linen fails to build the train step on ``mesh`` (its error's
+  class and first line), or 'ran' where it does not fail."""
+  try:
+    measure('flax.linen', fnn, mesh, key, tokens, batch_on(mesh, tokens))
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    return f'{type(e).__name__}: {str(e).splitlines()[0][:100]}'
+  return 'ran'
+
+
+def time_all(results) -> None:
+  """Median trace, lower, trace+lower and step times into each result,
+  the libraries interleaved so that load on a shared machine hits all alike."""
+  samples = {(r['name'], k): [] for r in results
              for k in ('trace', 'lower', 'step')}
-  for r in (ours, theirs):
+  for r in results:
     jax.block_until_ready(r['run']())
   for i in range(max(F.repeats, F.step_repeats)):
-    for r in (ours, theirs):
+    for r in results:
       if i < F.repeats:
         start = time.perf_counter()
         traced = r['trace']()
@@ -327,7 +347,7 @@ def main(_):
         start = time.perf_counter()
         jax.block_until_ready(r['run']())
         samples[r['name'], 'step'].append(time.perf_counter() - start)
-  for r in (ours, theirs):
+  for r in results:
     med = {k: float(np.median(samples[r['name'], k]))
            for k in ('trace', 'lower', 'step')}
     r['trace_time'], r['lower_time'] = med['trace'], med['lower']
@@ -336,27 +356,62 @@ def main(_):
                                samples[r['name'], 'lower'])]))
     r['step'] = {'median': med['step']}
 
-  print(f'\n{"":<34}{"liftmods":>16}{"flax.linen":>16}{"ratio":>9}')
 
-  def row(label, a, b, fmt):
-    print(f'{label:<34}{fmt(a):>16}{fmt(b):>16}{a / b:>8.2f}x')
+_ms = lambda s: f'{s * 1e3:.1f} ms'
 
-  ms = lambda s: f'{s * 1e3:.1f} ms'
-  row('trace+lower train step (median)', ours['trace_lower'],
-      theirs['trace_lower'], ms)
-  row('  of which trace (jaxpr)', ours['trace_time'], theirs['trace_time'], ms)
-  row('  of which lower (to StableHLO)', ours['lower_time'],
-      theirs['lower_time'], ms)
-  row('step time (median)', ours['step']['median'], theirs['step']['median'],
-      lambda s: f'{s * 1e3:.2f} ms')
-  row('params / device', ours['param_bytes'], theirs['param_bytes'], _mb)
-  row('opt state / device', ours['opt_bytes'], theirs['opt_bytes'], _mb)
-  row('sharded init temp / device', max(ours['init_temp'], 1),
-      max(theirs['init_temp'], 1), _mb)
-  row('train step temp / device', max(ours['step_temp'], 1),
-      max(theirs['step_temp'], 1), _mb)
+
+def _row(label, a, b, fmt, ratio=None):
+  """One table row: ``a``, ``b`` and ``ratio`` (default ``a / b``)."""
+  ratio = a / b if ratio is None else ratio
+  print(f'{label:<34}{fmt(a):>16}{fmt(b):>16}{ratio:>10.2f}x')
+
+
+def print_libraries(ours, theirs) -> None:
+  print(f'\n{"":<34}{"liftmods":>16}{"flax.linen":>16}{"ratio":>11}')
+  _row('trace+lower train step (median)', ours['trace_lower'],
+       theirs['trace_lower'], _ms)
+  _row('  of which trace (jaxpr)', ours['trace_time'], theirs['trace_time'],
+       _ms)
+  _row('  of which lower (to StableHLO)', ours['lower_time'],
+       theirs['lower_time'], _ms)
+  _row('step time (median)', ours['step']['median'], theirs['step']['median'],
+       lambda s: f'{s * 1e3:.2f} ms')
+  _row('params / device', ours['param_bytes'], theirs['param_bytes'], _mb)
+  _row('opt state / device', ours['opt_bytes'], theirs['opt_bytes'], _mb)
+  _row('sharded init temp / device', max(ours['init_temp'], 1),
+       max(theirs['init_temp'], 1), _mb)
+  _row('train step temp / device', max(ours['step_temp'], 1),
+       max(theirs['step_temp'], 1), _mb)
+  _row('step collectives / device', max(ours['collectives'], 1),
+       max(theirs['collectives'], 1), _mb)
   print(f'{"loss":<34}{ours["loss"]:>16.6f}{theirs["loss"]:>16.6f}')
 
+
+def print_explicit(auto, explicit, linen: str) -> None:
+  """liftmods on the Explicit mesh beside the Auto one (ratios
+  Explicit/Auto), and flax.linen's result on the Explicit mesh."""
+  print(f'\nliftmods on a mesh with Explicit axes (the same model, rules and '
+        f'loss)\n{"":<34}{"Auto":>16}{"Explicit":>16}{"Expl/Auto":>11}')
+
+  def row(label, key, fmt, floor=0):
+    a, b = max(auto[key], floor), max(explicit[key], floor)
+    _row(label, a, b, fmt, ratio=b / a)
+
+  row('train step temp / device', 'step_temp', _mb, 1)
+  row('sharded init temp / device', 'init_temp', _mb, 1)
+  row('step collectives / device', 'collectives', _mb, 1)
+  row('params / device', 'param_bytes', _mb)
+  row('trace+lower train step (median)', 'trace_lower', _ms)
+  _row('step time (median)', auto['step']['median'],
+       explicit['step']['median'], lambda s: f'{s * 1e3:.2f} ms',
+       ratio=explicit['step']['median'] / auto['step']['median'])
+  print(f'{"loss":<34}{auto["loss"]:>16.6f}{explicit["loss"]:>16.6f}'
+        f'   |diff| {abs(auto["loss"] - explicit["loss"]):.2e}')
+  outcome = 'ran' if linen == 'ran' else f'fails: {linen}'
+  print(f'{"flax.linen on the Explicit mesh":<34}{outcome}')
+
+
+def print_targets(ours, theirs) -> None:
   print('\ntargets')
   shards = ours['total_param'] / ours['ideal_param']
   checks = [
@@ -381,10 +436,35 @@ def main(_):
         f'{_mb(ours["total_param"])})')
   for label, value, ok in checks:
     print(f'  {label:<40}{value:>8.3f}   {"yes" if ok else "NO"}')
+
+
+def main(_):
+  if F.topology:
+    aot_main()
+    return
+  mesh, explicit_mesh = make_mesh(), make_mesh(AxisType.Explicit)
+  key = jax.random.key(0)
+  tokens = jax.random.randint(jax.random.key(1), (F.batch, F.seq + 1), 0,
+                              F.vocab)
+  print(f'devices: {jax.device_count()} x {jax.devices()[0].device_kind} '
+        f'({jax.default_backend()}), mesh {dict(mesh.shape)}; decoder '
+        f'layers={F.layers} hidden={F.hidden} heads={F.heads} '
+        f'vocab={F.vocab}, batch={F.batch}x{F.seq}; jax {jax.__version__}')
+  ours = measure('liftmods', lnn, mesh, key, tokens, batch_on(mesh, tokens))
+  theirs = measure('flax.linen', fnn, mesh, key, tokens,
+                   batch_on(mesh, tokens))
+  explicit = measure('liftmods (Explicit)', lnn, explicit_mesh, key, tokens,
+                     batch_on(explicit_mesh, tokens))
+  linen = linen_failure(explicit_mesh, key, tokens)
+  time_all((ours, theirs, explicit))
+  print_libraries(ours, theirs)
+  print_explicit(ours, explicit, linen)
+  print_targets(ours, theirs)
   if F.dump_hlo:
     os.makedirs(F.dump_hlo, exist_ok=True)
-    for r in (ours, theirs):
-      with open(os.path.join(F.dump_hlo, r['name'] + '.hlo'), 'w') as f:
+    for r in (ours, theirs, explicit):
+      name = r['name'].replace(' (Explicit)', '_explicit')
+      with open(os.path.join(F.dump_hlo, name + '.hlo'), 'w') as f:
         f.write(r['program'])
   print(f'  optimised HLO of the two train steps identical: '
         f'{ours["program"] == theirs["program"]}')
