@@ -37,6 +37,8 @@ from absl import flags
 import jax
 import numpy as np
 
+from benchmarks import traffic as traffic_lib
+
 flags.DEFINE_string(
     'topology', '', 'compile for this TPU slice instead of running, e.g. '
     'v5e:2x2, v5e:16x16, v5p:8x8x16 (needs libtpu: pip install -e ".[tpu]")')
@@ -312,10 +314,20 @@ class Report:
   needs_gib: float | None = None
   available_gib: float | None = None
   error: str = ''
+  # {(network, collective kind): bytes per device per step}, when the
+  # program was compiled for a known mesh (benchmarks/traffic.py).
+  traffic: dict | None = None
 
   @property
   def peak(self) -> int:
     return self.argument + self.output - self.alias + self.temp
+
+  def network_mib(self, network: str) -> float | None:
+    """MiB per device per step on ``network`` ('dcn' or 'ici'); None
+    without traffic figures."""
+    if self.traffic is None:
+      return None
+    return traffic_lib.network_bytes(self.traffic, network) / MIB
 
   def verdict(self) -> str:
     if self.fits:
@@ -374,10 +386,19 @@ def report_from(label: str, compiled, compile_s: float) -> Report:
       est_seconds=_positive(cost.get('optimal_seconds')))
 
 
-def compile_report(label: str, lower) -> tuple[Report, object]:
+def compile_report(label: str, lower,
+                   mesh: jax.sharding.Mesh | None = None
+                   ) -> tuple[Report, object]:
   """Runs ``lower()`` (-> ``jax.stages.Lowered``) and compiles it; returns
   ``(Report, compiled or None)``. A program the compiler refuses for lack of
-  memory gives a "does not fit" report instead of an exception."""
+  memory gives a "does not fit" report instead of an exception.
+
+  Args:
+    label: the report's row label.
+    lower: returns the lowered program.
+    mesh: the mesh it was lowered for; given, the report carries the bytes
+      per step on each network (``Report.traffic``).
+  """
   start = time.perf_counter()
   try:
     compiled = lower().compile()
@@ -390,7 +411,11 @@ def compile_report(label: str, lower) -> tuple[Report, object]:
     return Report(label, time.perf_counter() - start, fits=False,
                   needs_gib=need, available_gib=have,
                   error=message.splitlines()[0]), None
-  return report_from(label, compiled, time.perf_counter() - start), compiled
+  report = report_from(label, compiled, time.perf_counter() - start)
+  if mesh is not None:
+    report.traffic = traffic_lib.traffic(compiled.as_text(),
+                                         device_slices(mesh))
+  return report, compiled
 
 
 def fit_bounds(reports: dict) -> tuple[int, int | None]:

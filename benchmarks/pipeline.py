@@ -22,10 +22,14 @@ Runs on 8 simulated CPU devices (set before JAX starts)::
   compiled for a TPU slice, the unpipelined stack data-parallel over every
   chip next to pipelined ones over a ``('stage', 'data')`` mesh: per-chip
   memory and XLA's *estimated* step seconds (the compiler's cost model, not
-  a measurement)::
+  a measurement). With ``--num_slices=N`` the stages span the slices (the
+  unpipelined row's data axis does) and each row also gives its bytes per
+  step over DCN and ICI (``benchmarks/traffic.py``)::
 
     python -m benchmarks.pipeline --sections=tpu --topology=v5e:4x4 \
         --hidden=2048 --layers=32 --batch=512
+    python -m benchmarks.pipeline --sections=tpu --topology=v5e:2x2 \
+        --num_slices=2 --tpu_row=2,8,1
 
 - ``figures``: per schedule (GPipe, circular, 1F1B, interleaved 1F1B,
   zero-bubble) and M: the idle fraction measured (slots read from the
@@ -437,12 +441,14 @@ def differences():
 def tpu_schedules():
   """Temp MiB of the train step per schedule and M, compiled for
   --topology over a stage axis of 4 chips."""
-  if not FLAGS.topology:
+  topology = aot.flag_topology()
+  if not topology:
     raise app.UsageError('--sections=tpu_schedules needs --topology.')
   stages, hidden, rows = 4, FLAGS.hidden, FLAGS.micro_rows
   micros = [int(m) for m in FLAGS.schedule_micro]
-  mesh = aot.topology_mesh(FLAGS.topology, {'stage': stages, 'data': -1})
-  print(f'\nTrain step (SGD) compiled for {FLAGS.topology}: temp MiB per '
+  mesh = aot.topology_mesh(topology, {'stage': stages, 'data': -1},
+                           slice_axes(topology, stages))
+  print(f'\nTrain step (SGD) compiled for {topology}: temp MiB per '
         f'chip, S={stages}, L={2 * stages}, width={hidden}, {rows} rows per '
         'microbatch')
   print(f'  {"schedule":<26}' + ''.join(f'{"M=" + str(m):>9}'
@@ -464,9 +470,12 @@ def tpu_schedules():
         with jax.set_mesh(mesh):
           return jax.jit(step).lower(*args)
 
-      report = aot.compile_report(f'{label} M={micro}', lower)[0]
+      report = aot.compile_report(f'{label} M={micro}', lower, mesh)[0]
       cells.append(f'{report.temp / 2**20:>9.2f}' if report.fits
                    else f'{"no fit":>9}')
+      if report.fits and aot.split_slices(topology)[1] > 1:
+        print(f'    {label} M={micro}: '
+              f'{aot.traffic_lib.summary(report.traffic)}', flush=True)
     print(f'  {label:<26}' + ''.join(cells), flush=True)
 
 
@@ -509,12 +518,25 @@ def compile_times():
     print(f'  {length:>5} {cells[0]} {cells[1]}')
 
 
+def slice_axes(topology, stages):
+  """The mesh axes that span the slices of ``topology``: ``--dcn_axes``
+  when given for a pipelined row, else the stage axis (stages across
+  slices); an unpipelined row spans them with its data axis."""
+  slices = aot.split_slices(topology)[1]
+  if slices == 1:
+    return {}
+  if stages == 1:
+    return {'data': slices}
+  return aot.parse_dcn_axes(FLAGS.dcn_axes) or {'stage': slices}
+
+
 def tpu_report(label, stack, stages, x, topology):
   """The Adam train step of ``stack`` compiled for ``topology`` over a
   ``('stage', 'data')`` mesh with ``stages`` stages (1: the batch over every
-  chip); an ``aot.Report``."""
+  chip); an ``aot.Report`` with the bytes per step on each network."""
   tx = optax.adam(1e-3)
-  mesh = aot.topology_mesh(topology, {'stage': stages, 'data': -1})
+  mesh = aot.topology_mesh(topology, {'stage': stages, 'data': -1},
+                           slice_axes(topology, stages))
   layers = NamedSharding(mesh, PartitionSpec('stage'))
   scalar = NamedSharding(mesh, PartitionSpec())
   batch = NamedSharding(mesh, PartitionSpec(
@@ -530,12 +552,13 @@ def tpu_report(label, stack, stages, x, topology):
     with jax.set_mesh(mesh):
       return jax.jit(train_step(stack, tx)).lower(*args)
 
-  return aot.compile_report(label, lower)[0]
+  return aot.compile_report(label, lower, mesh)[0]
 
 
 def tpu_rows():
   """Unpipelined vs pipelined train step (Adam) compiled for --topology."""
-  if not FLAGS.topology:
+  topology = aot.flag_topology()
+  if not topology:
     raise app.UsageError('--sections=tpu needs --topology (e.g. v5e:4x4).')
   hidden, length, rows = FLAGS.hidden, FLAGS.layers, FLAGS.batch
   x = jax.ShapeDtypeStruct((rows, hidden), jnp.float32)
@@ -547,17 +570,22 @@ def tpu_rows():
     stack = nn.Stack(Block, length, policy='full', pipeline=pipe)(hidden)
     label = ('unpipelined, data-parallel' if pipe is None else
              f'S={stages} M={micro} R={repeats}')
-    reports.append(tpu_report(label, stack, stages, x, FLAGS.topology))
+    reports.append(tpu_report(label, stack, stages, x, topology))
     print(aot.table_row(reports[-1]), flush=True)
-  aot.print_table(f'Train step (Adam) compiled for {FLAGS.topology}: L={length},'
+  aot.print_table(f'Train step (Adam) compiled for {topology}: L={length},'
                   f' width={hidden}, batch={rows}, policy=full', reports)
+  print('\nBytes per chip per step by network and collective (result '
+        'sizes, loops counted per iteration):')
+  for r in reports:
+    if r.fits:
+      print(f'  {r.label:<28} {aot.traffic_lib.summary(r.traffic)}')
   # XLA's cost model gives no step estimate for these loops (n/a) or counts
   # a loop body once, so the step time comes from a roofline model instead:
   # the stack's matmul FLOPs (4x the forward: forward, recomputed forward,
   # backward) spread over every chip, times the pipeline's bubble factor.
-  chips = aot.topology_mesh(FLAGS.topology, {'d': -1}).size
+  chips = len(aot.topology_devices(topology))
   flops = 4 * 2 * (4 * hidden * hidden) * rows * length
-  ideal = flops / chips / aot.chip(FLAGS.topology)['peak_flops']
+  ideal = flops / chips / aot.chip(topology)['peak_flops']
   print(f'\nRoofline step estimate (model FLOPs {flops / 1e12:.2f} T over '
         f'{chips} chips at peak, x bubble (M*R+S-1)/(M*R)); a model, not '
         'a measurement:')

@@ -17,7 +17,7 @@ between slices. Read from the optimized HLO text (``compiled.as_text()``):
 Bytes are per device and per step: the size of a collective's result (for a
 megascale send, of the data sent), times how often it runs: an op inside a
 loop body counts once per iteration (XLA's ``known_trip_count``), nested
-loops multiply. The result size is the volume a collective delivers, not the
+loops multiply (see ``_trip_count``). The result size is the volume a collective delivers, not the
 wire bytes of its algorithm (a ring all-reduce sends about twice it).
 """
 import collections
@@ -31,6 +31,8 @@ COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all',
                'collective-permute')
 DCN, ICI = 'dcn', 'ici'
 _MEGASCALE = '_xla_host_transfer_handler_name="xla_megascale_runtime"'
+# The megascale name of a cross-slice collective-permute (a ppermute).
+_MEGASCALE_KINDS = {'one-to-one': 'collective-permute'}
 _HEADER = re.compile(r'^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$')
 _CALLEES = re.compile(
     r'\b(body|condition|calls|to_apply|branch_computations|true_computation|'
@@ -94,36 +96,82 @@ def _groups(line: str, devices: int) -> list[list[int]]:
   return [list(range(devices))]
 
 
-def _parse(hlo: str):
-  """(the entry computation, computations in text order, their lines,
-  their callees with the number of runs per call)."""
-  order, lines, calls = [], collections.defaultdict(list), {}
-  current = entry = None
+@dataclasses.dataclass
+class _Computation:
+  lines: list = dataclasses.field(default_factory=list)
+  calls: list = dataclasses.field(default_factory=list)  # (callee, while)
+  constants: dict = dataclasses.field(default_factory=dict)  # integer scalars
+  firsts: dict = dataclasses.field(default_factory=dict)  # tuple -> operand 0
+  counters: set = dataclasses.field(default_factory=set)  # element 0 of a tuple
+  bound: int | None = None  # ROOT compare(counter, N), direction=LT
+
+
+def _scan_line(comp: _Computation, line: str):
+  name = re.match(r'\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=', line)
+  if not name:
+    return
+  name = name.group(1)
+  const = re.search(r'\s[su]\d+\[\][^=]*?\sconstant\((-?\d+)\)', line)
+  if const:
+    comp.constants[name] = int(const.group(1))
+  first = re.search(r'\stuple\(%?([\w.\-]+)', line)
+  if first:
+    comp.firsts[name] = first.group(1)
+  if re.search(r'get-tuple-element\(.*\), index=0\b', line):
+    comp.counters.add(name)
+  bound = re.search(r'compare\(%?([\w.\-]+), %?([\w.\-]+)\), direction=LT',
+                    line)
+  if line.lstrip().startswith('ROOT') and bound:
+    counter, limit = bound.groups()
+    if counter in comp.counters and limit in comp.constants:
+      comp.bound = comp.constants[limit]
+  loop = re.search(r'\swhile\(%?([\w.\-]+)\)', line)
+  for attr, names in _CALLEES.findall(line):
+    for callee in re.findall(r'%?([\w.\-]+)', names):
+      comp.calls.append((callee, (line, loop.group(1)) if loop and
+                         attr == 'body' else None))
+
+
+def _parse(hlo: str) -> tuple[str, dict]:
+  """(the entry computation's name, {name: _Computation} in text order)."""
+  comps, current, entry = {}, None, None
   for line in hlo.splitlines():
     head = _HEADER.match(line)
     if head and not line.startswith(' '):
-      current = head.group(1)
-      order.append(current)
-      entry = current if line.startswith('ENTRY') else entry
-      calls[current] = []
+      current = comps[head.group(1)] = _Computation()
+      entry = head.group(1) if line.startswith('ENTRY') else entry
       continue
-    if current is None:
-      continue
-    lines[current].append(line)
-    trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
-    for attr, names in _CALLEES.findall(line):
-      runs = int(trip.group(1)) if trip and attr == 'body' else 1
-      for name in re.findall(r'%?([\w.\-]+)', names):
-        calls[current].append((name, runs))
-  return entry, order, lines, calls
+    if current is not None:
+      current.lines.append(line)
+      _scan_line(current, line)
+  return entry, comps
 
 
-def _runs(entry, order, calls) -> dict:
+def _trip_count(comps: dict, caller: _Computation, line: str,
+                operand: str) -> int:
+  """Iterations of the while loop on ``line``: XLA's ``known_trip_count``
+  where the backend prints it (CPU, GPU); otherwise (TPU) the bound ``N`` of
+  its condition ``counter < N`` less the counter's constant start (0 when
+  the start is not a constant); 1 when neither is readable."""
+  known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+  if known:
+    return int(known.group(1))
+  cond = re.search(r'condition=%?([\w.\-]+)', line)
+  bound = comps[cond.group(1)].bound if cond and cond.group(1) in comps else None
+  if bound is None:
+    return 1
+  start = caller.constants.get(caller.firsts.get(operand), 0)
+  return max(1, bound - start)
+
+
+def _runs(entry: str, comps: dict) -> dict:
   """Runs per step of each computation. HLO text prints a computation
   after those it calls, so callers come first in reverse order."""
   runs = collections.Counter({entry: 1})
-  for name in reversed(order):
-    for callee, times in calls[name]:
+  for name in reversed(list(comps)):
+    comp = comps[name]
+    for callee, loop in comp.calls:
+      times = _trip_count(comps, comp, *loop) if loop else 1
       runs[callee] += runs[name] * times
   return runs
 
@@ -151,11 +199,11 @@ def transfers(hlo: str, slice_of) -> list[Transfer]:
         f'the program runs on {devices} devices; slice_of names '
         f'{len(slice_of)} devices in {slices} slices, which is neither that '
         'count nor that count per slice.')
-  entry, order, lines, calls = _parse(hlo)
-  runs = _runs(entry, order, calls)
+  entry, comps = _parse(hlo)
+  runs = _runs(entry, comps)
   found = []
-  for name in order:
-    for line in lines[name]:
+  for name, comp in comps.items():
+    for line in comp.lines:
       op = _OP.match(line)
       if not op:
         continue
@@ -163,6 +211,7 @@ def transfers(hlo: str, slice_of) -> list[Transfer]:
       if kind == 'send' and _MEGASCALE in line:
         ty = re.search(r'_xla_megascale_transfer_type="(\w+)"', line)
         kind = ty.group(1).lower().replace('_', '-') if ty else 'send'
+        kind = _MEGASCALE_KINDS.get(kind, kind)
         found.append(Transfer(kind, DCN,
                               _arrays(shape_text)[0], runs[name], name))
         continue

@@ -189,7 +189,8 @@ def test_slices_split_elsewhere_change_the_network():
 
 
 # The TPU compiler's per-slice program (4 devices of a 2-slice job): the
-# cross-slice half of an all-reduce is a megascale send, 4 times in a loop.
+# cross-slice half of an all-reduce and a ppermute are megascale sends, in a
+# loop whose trip count only its condition gives (counter < 4, from 0).
 PER_SLICE_HLO = """\
 HloModule jit_f, is_scheduled=true, num_partitions=4
 
@@ -198,17 +199,23 @@ HloModule jit_f, is_scheduled=true, num_partitions=4
   %g = f32[64,128]{1,0} get-tuple-element(%t), index=1
   %send = (f32[64,128]{1,0:T(8,128)}, u32[], token[]) send(%g, %after-all), channel_id=2, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_host_transfer_rendezvous="all-reduce_0",_xla_megascale_transfer_type="ALL_REDUCE"}
   %recv = (f32[64,128]{1,0:T(8,128)}, u32[], token[]) recv(%after-all), channel_id=1, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_megascale_transfer_type="ALL_REDUCE"}
+  %send.1 = (bf16[8,128]{1,0}, u32[], token[]) send(%h, %after-all), channel_id=4, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_megascale_transfer_type="ONE_TO_ONE"}
   %ar = f32[64,128]{1,0} all-reduce(%g), channel_id=3, replica_groups={{0,1,2,3}}, to_apply=%add
   ROOT %r = (s32[], f32[64,128]{1,0}) tuple(%i, %ar)
 }
 
 %cond (t: (s32[], f32[64,128])) -> pred[] {
-  ROOT %c = pred[] constant(true)
+  %limit = s32[]{:T(128)} constant(4)
+  %t = (s32[], f32[64,128]{1,0}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%t), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%i, %limit), direction=LT
 }
 
 ENTRY %main.0_spmd (x: f32[64,128]) -> f32[64,128] {
   %x = f32[64,128]{1,0} parameter(0)
-  %w = (s32[], f32[64,128]{1,0}) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  %zero = s32[]{:T(128)} constant(0)
+  %t = (s32[], f32[64,128]{1,0}) tuple(%zero, %x)
+  %w = (s32[], f32[64,128]{1,0}) while(%t), condition=%cond, body=%body
   ROOT %o = f32[64,128]{1,0} get-tuple-element(%w), index=1
 }
 """
@@ -218,9 +225,18 @@ def test_megascale_sends_are_dcn_and_the_per_slice_program_is_ici():
   found = traffic.transfers(PER_SLICE_HLO, TWO_SLICES)
   assert [(t.network, t.kind, t.bytes, t.runs) for t in found] == [
       ('dcn', 'all-reduce', 64 * 128 * 4, 4),
+      ('dcn', 'collective-permute', 8 * 128 * 2, 4),
       ('ici', 'all-reduce', 64 * 128 * 4, 4)]
   assert traffic.summary(traffic.traffic(PER_SLICE_HLO, TWO_SLICES)) == (
-      'dcn all-reduce 0.12 MiB; ici all-reduce 0.12 MiB')
+      'dcn all-reduce 0.12 MiB; dcn collective-permute 0.01 MiB; '
+      'ici all-reduce 0.12 MiB')
+
+
+def test_trip_count_from_the_condition_counts_from_the_counters_start():
+  started = PER_SLICE_HLO.replace('constant(0)', 'constant(1)')
+  assert {t.runs for t in traffic.transfers(started, TWO_SLICES)} == {3}
+  unreadable = PER_SLICE_HLO.replace('direction=LT', 'direction=NE')
+  assert {t.runs for t in traffic.transfers(unreadable, TWO_SLICES)} == {1}
 
 
 def test_traffic_refuses_a_slice_map_of_another_device_count():
