@@ -118,11 +118,12 @@ class MlpBlock(nn.Module):
     return (y, None) if unused else y
 
 
-def _attention():
+def _attention(attention_fn=nn.dot_product_attention):
   return nn.MultiHeadDotProductAttention(
       num_heads=4, qkv_features=16, kernel_init=part('embed', 'heads', 'kv'),
       out_kernel_init=part('heads', 'kv', 'embed'),
-      bias_init=zeros('heads', 'kv'), out_bias_init=zeros('embed'))
+      bias_init=zeros('heads', 'kv'), out_bias_init=zeros('embed'),
+      attention_fn=attention_fn)
 
 
 class _AttentionFn(nn.Module):
@@ -230,6 +231,8 @@ CASES = {
         lambda: nn.Embed(64, 16, embedding_init=part('vocab', 'embed')),
         SEQ, SEQ_NAMES, method='attend'),
     'attention': Case(_attention, SEQ, SEQ_NAMES),
+    'attention_fused': Case(
+        lambda: _attention(nn.fused_dot_product_attention), SEQ, SEQ_NAMES),
     'attention_fn': Case(_AttentionFn, SEQ, SEQ_NAMES),
     'layer_norm': Case(lambda: nn.LayerNorm(scale_init=ones('embed'),
                                             bias_init=zeros('embed')),

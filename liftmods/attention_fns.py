@@ -651,11 +651,12 @@ def fused_dot_product_attention(
   bias = _as_4d(bias, 'bias', batch, heads, q_len, kv_len, full_lengths)
   if bias is not None and implementation == 'cudnn':
     bias = bias.astype(dtype)
-  out = jax.nn.dot_product_attention(
+  out = explicit.as_first(
+      'fused_dot_product_attention', 'attention',
+      functools.partial(jax.nn.dot_product_attention, **kwargs),
       query.reshape((flat, q_len, heads, depth)),
       key.reshape((flat,) + key.shape[-3:]),
-      value.reshape((flat,) + value.shape[-3:]),
-      bias, mask, **kwargs)
+      value.reshape((flat,) + value.shape[-3:]), bias, mask)
   out = out.reshape(batch + (q_len, heads, value.shape[-1]))
   if force_fp32_for_softmax and dtype != jnp.float32:
     out = out.astype(jnp.float32)

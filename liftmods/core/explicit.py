@@ -319,6 +319,18 @@ def take(where, table, indices, out_sharding=None):
              native=False)
 
 
+def as_first(where, what: str, fn: Callable[..., Any], *args):
+  """``fn(*args)``, whose output is shaped like ``args[0]`` (attention's
+  output is the query's shape), laid out as ``args[0]`` on Explicit axes:
+  the activation keeps its sharding, whatever the op does inside (run
+  under ``auto_axes``, the partitioner chooses its collectives)."""
+  mesh = explicit_mesh(*(a for a in args if a is not None))
+  if mesh is None:
+    return fn(*args)
+  return run(where, what, fn, args, PartitionSpec(*spec_of(args[0])), mesh,
+             native=False)
+
+
 def windowed(fn: Callable[..., Any], x):
   """``fn(x)``, an op over windows of ``x`` (a pooling) whose output keeps
   ``x``'s rank: where ``x``'s type shards a dimension whose size the op
@@ -413,6 +425,6 @@ def unshard_leading(xs):
   return jax.tree_util.tree_unflatten(tree, [one(x) for x in leaves])
 
 
-__all__ = ['conv', 'dot_general', 'einsum', 'explicit_mesh', 'layout_as',
-           'like', 'match', 'out_spec', 'spec_of', 'take', 'unshard_leading',
-           'windowed']
+__all__ = ['as_first', 'conv', 'dot_general', 'einsum', 'explicit_mesh',
+           'layout_as', 'like', 'match', 'out_spec', 'spec_of', 'take',
+           'unshard_leading', 'windowed']
