@@ -527,7 +527,8 @@ def slice_axes(topology, stages):
     return {}
   if stages == 1:
     return {'data': slices}
-  return aot.parse_dcn_axes(FLAGS.dcn_axes) or {'stage': slices}
+  named = FLAGS.dcn_axes if FLAGS.is_parsed() else []
+  return aot.parse_dcn_axes(named) or {'stage': slices}
 
 
 def tpu_report(label, stack, stages, x, topology):

@@ -102,6 +102,7 @@ class _Computation:
   calls: list = dataclasses.field(default_factory=list)  # (callee, while)
   constants: dict = dataclasses.field(default_factory=dict)  # integer scalars
   firsts: dict = dataclasses.field(default_factory=dict)  # tuple -> operand 0
+  copies: dict = dataclasses.field(default_factory=dict)  # copy -> operand
   counters: set = dataclasses.field(default_factory=set)  # element 0 of a tuple
   bound: int | None = None  # ROOT compare(counter, N), direction=LT
 
@@ -117,6 +118,9 @@ def _scan_line(comp: _Computation, line: str):
   first = re.search(r'\stuple\(%?([\w.\-]+)', line)
   if first:
     comp.firsts[name] = first.group(1)
+  copy = re.search(r'\scopy\(%?([\w.\-]+)\)', line)
+  if copy:
+    comp.copies[name] = copy.group(1)
   if re.search(r'get-tuple-element\(.*\), index=0\b', line):
     comp.counters.add(name)
   bound = re.search(r'compare\(%?([\w.\-]+), %?([\w.\-]+)\), direction=LT',
@@ -151,8 +155,9 @@ def _trip_count(comps: dict, caller: _Computation, line: str,
                 operand: str) -> int:
   """Iterations of the while loop on ``line``: XLA's ``known_trip_count``
   where the backend prints it (CPU, GPU); otherwise (TPU) the bound ``N`` of
-  its condition ``counter < N`` less the counter's constant start (0 when
-  the start is not a constant); 1 when neither is readable."""
+  its condition ``counter < N`` less the counter's constant start (through
+  copies; 0 when the start is not a constant: a loop XLA peeled reads one
+  iteration high then); 1 when neither is readable."""
   known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
   if known:
     return int(known.group(1))
@@ -160,8 +165,10 @@ def _trip_count(comps: dict, caller: _Computation, line: str,
   bound = comps[cond.group(1)].bound if cond and cond.group(1) in comps else None
   if bound is None:
     return 1
-  start = caller.constants.get(caller.firsts.get(operand), 0)
-  return max(1, bound - start)
+  start = caller.firsts.get(operand)
+  while start in caller.copies:
+    start = caller.copies[start]
+  return max(1, bound - caller.constants.get(start, 0))
 
 
 def _runs(entry: str, comps: dict) -> dict:

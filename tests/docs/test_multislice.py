@@ -235,6 +235,11 @@ def test_megascale_sends_are_dcn_and_the_per_slice_program_is_ici():
 def test_trip_count_from_the_condition_counts_from_the_counters_start():
   started = PER_SLICE_HLO.replace('constant(0)', 'constant(1)')
   assert {t.runs for t in traffic.transfers(started, TWO_SLICES)} == {3}
+  # a peeled loop: the counter starts at a copy of a constant
+  copied = started.replace(
+      'tuple(%zero, %x)',
+      'tuple(%one, %x)\n  %one = s32[]{:T(128)} copy(%zero)')
+  assert {t.runs for t in traffic.transfers(copied, TWO_SLICES)} == {3}
   unreadable = PER_SLICE_HLO.replace('direction=LT', 'direction=NE')
   assert {t.runs for t in traffic.transfers(unreadable, TWO_SLICES)} == {1}
 
