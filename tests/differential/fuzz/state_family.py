@@ -167,10 +167,14 @@ def _check_training(model, v, x, prog) -> str | None:
   tx = optax.multi_transform(
       {'train': optax.sgd(0.1), 'frozen': optax.set_to_zero()},
       state.labels(params, {'train': wrt, 'frozen': ...}))
+  @jax.jit
+  def train_step(p, opt_state):
+    updates, opt_state = tx.update(jax.grad(loss)(p), opt_state, p)
+    return optax.apply_updates(p, updates), opt_state
+
   p, opt_state = params, tx.init(params)
   for _ in range(prog.steps):
-    updates, opt_state = tx.update(jax.grad(loss)(p), opt_state, p)
-    p = optax.apply_updates(p, updates)
+    p, opt_state = train_step(p, opt_state)
   for path, before in _leaves(params).items():
     after = _leaves(p)[path]
     if not ref(path) and not np.array_equal(before, after):
