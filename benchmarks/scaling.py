@@ -10,6 +10,12 @@ layer-stack policy, for liftmods and for the same model under flax.linen:
   ``fsdp``: the ``embed`` dimension of every parameter (and optimizer
   state) split over all chips too; ``fsdp_tp``: a ``('data', 'model')``
   mesh with 4-way tensor parallelism (heads, MLP units, vocabulary).
+- over several slices (a topology such as ``2xv5e:4x4``): ``dcn_fsdp``,
+  data parallel across the slices (over DCN) and FSDP within each;
+  ``stage_fsdp``, one ``nn.Pipeline`` stage per slice (``--pipeline_mode``,
+  ``--pipeline_micro``; liftmods only) and FSDP within each. Every row gives
+  its bytes per chip per step over DCN and over ICI
+  (``benchmarks/traffic.py``).
 - stack ``none``: no rematerialization; ``full``: each block recomputed
   (``nn.Stack(policy='full')`` / Linen ``nn.scan(nn.remat(...))``);
   ``named``: also keeps the MLP activation named ``mlp_up``; ``nested``:
@@ -82,6 +88,14 @@ SHARDINGS = {  # mesh axes, logical rules
     'fsdp_tp': ({'data': -1, 'model': 4},
                 (('batch', 'data'), ('embed', 'data'), ('heads', 'model'),
                  ('mlp', 'model'), ('vocab', 'model'))),
+    # Several slices (size 0: one per slice; on one slice, 1): data
+    # parallel across slices, FSDP within each ...
+    'dcn_fsdp': ({'slice': 0, 'data': -1},
+                 (('batch', ('slice', 'data')), ('embed', 'data'))),
+    # ... or one pipeline stage per slice (liftmods' nn.Pipeline), FSDP
+    # within each.
+    'stage_fsdp': ({'stage': 0, 'data': -1},
+                   (('batch', 'data'), ('embed', 'data'), ('layers', 'stage'))),
 }
 POLICIES = ('none', 'full', 'named', 'nested', 'offload', 'nested_offload')
 LINEN_POLICIES = ('none', 'full', 'named', 'nested')
@@ -116,7 +130,12 @@ flags.DEFINE_bool('full', False, 'every size x slice x policy (long)')
 flags.DEFINE_list('sizes', [], f'model sizes from {list(SIZES)}')
 flags.DEFINE_list('slices', [], 'TPU topologies, e.g. v5e:4x4')
 flags.DEFINE_list('policies', [], f'stack policies from {POLICIES}')
-flags.DEFINE_string('sharding', 'fsdp', f'one of {list(SHARDINGS)}')
+flags.DEFINE_string('sharding', 'fsdp', f'one of {list(SHARDINGS)}; '
+                    'dcn_fsdp and stage_fsdp span the slices of a topology '
+                    'such as 2xv5e:4x4')
+flags.DEFINE_integer('pipeline_micro', 8, 'microbatches of stage_fsdp')
+flags.DEFINE_string('pipeline_mode', 'gpipe', 'nn.Pipeline mode of '
+                    'stage_fsdp (gpipe, 1f1b, zero_bubble)')
 flags.DEFINE_integer('chip_batch', 1, 'sequences per chip (with --sizes)')
 flags.DEFINE_integer('layers', 0, 'override the layer count (0: the size\'s)')
 flags.DEFINE_integer('seq', 0, 'override the sequence length (0: the size\'s)')
@@ -166,15 +185,41 @@ def groups(length: int) -> int:
              key=lambda g: abs(g - length**0.5))
 
 
-def batch_split(stack):
-  """``stack`` with its input and output split over the batch: under FSDP
-  the parameters' ``embed`` axis shares the data axis, and without this
-  GSPMD may keep whole activations on every chip."""
-  split = lambda x: jax.lax.with_sharding_constraint(x, PartitionSpec('data'))
+def batch_split(stack, batch_axes='data'):
+  """``stack`` with its input and output split over the batch (mesh axes
+  ``batch_axes``): under FSDP the parameters' ``embed`` axis shares the data
+  axis, and without this GSPMD may keep whole activations on every chip."""
+  split = lambda x: jax.lax.with_sharding_constraint(
+      x, PartitionSpec(batch_axes))
   return lambda x, train: split(stack(split(x), train))
 
 
-def liftmods_stack(policy):
+def batch_axes(sharding: str):
+  """The mesh axes the batch is split over under ``sharding``."""
+  return dict(SHARDINGS[sharding][1])['batch']
+
+
+def mesh_for(sharding: str, topology: str) -> jax.sharding.Mesh:
+  """The mesh of ``sharding`` over ``topology``: an axis of size 0 has one
+  entry per slice and spans them (DCN); otherwise the first axis does."""
+  axes, _ = SHARDINGS[sharding]
+  slices = aot.split_slices(topology)[1]
+  per_slice = [a for a, size in axes.items() if size == 0]
+  sized = {a: slices if size == 0 else size for a, size in axes.items()}
+  dcn = {per_slice[0]: slices} if per_slice and slices > 1 else None
+  return aot.topology_mesh(topology, sized, dcn)
+
+
+def pipeline_for(sharding: str, topology: str):
+  """The ``nn.Pipeline`` of a ``stage_fsdp`` row (one stage per slice),
+  else None."""
+  if sharding != 'stage_fsdp':
+    return None
+  return lnn.Pipeline(stages=aot.split_slices(topology)[1],
+                      microbatches=F.pipeline_micro, mode=F.pipeline_mode)
+
+
+def liftmods_stack(policy, batch='data'):
   spec = {
       'none': None, 'full': 'full', 'nested': 'nested', 'offload': 'offload',
       'named': lnn.StackPolicy(save_block_internals=('mlp_up',)),
@@ -182,8 +227,10 @@ def liftmods_stack(policy):
   }[policy]
 
   def make(config, decode, name):
-    return batch_split(lnn.Stack(lm.Block, config.num_layers, policy=spec)(
-        config, decode, name=name))
+    pipeline = None if decode else config.pipeline
+    return batch_split(lnn.Stack(lm.Block, config.num_layers, policy=spec,
+                                 pipeline=pipeline)(config, decode, name=name),
+                       batch)
 
   return make
 
@@ -266,9 +313,10 @@ def linen_stack(policy, precision='f32'):
   return make
 
 
-def build(library: str, cfg: lm.Config, policy: str, precision: str = 'f32'):
+def build(library: str, cfg: lm.Config, policy: str, precision: str = 'f32',
+          batch='data'):
   if library == 'liftmods':
-    return lm.TransformerLM(cfg, stack_fn=liftmods_stack(policy))
+    return lm.TransformerLM(cfg, stack_fn=liftmods_stack(policy, batch))
   return linen_lm(precision).TransformerLM(
       cfg, stack_fn=linen_stack(policy, precision))
 
@@ -316,12 +364,19 @@ def compile_row(size, topology, sharding, library, policy, chip_batch,
   """One row: the train step compiled for ``topology`` in ``precision``
   (``cfg`` overrides the size's config, ``layers`` its layer count)."""
   cfg = cfg or config(size, layers)
-  axes, rules = SHARDINGS[sharding]
-  mesh = aot.topology_mesh(topology, axes)
+  _, rules = SHARDINGS[sharding]
+  mesh = mesh_for(sharding, topology)
   batch = chip_batch * mesh.size
   tokens = jax.ShapeDtypeStruct((1, cfg.max_len), jnp.int32)
-  model = build(library, cfg, policy, precision)
+  pipe = pipeline_for(sharding, topology)
   extra = dict(precision=precision, layers=cfg.num_layers)
+  if pipe is not None and library != 'liftmods':
+    report = aot.Report(f'{size} {library} {policy}', 0.0, fits=False,
+                        error='flax.linen has no pipeline (stage_fsdp)')
+    return Row(size, topology, sharding, library, policy, batch, 0, report,
+               model_flops(cfg, batch), **extra)
+  cfg = dataclasses.replace(cfg, pipeline=pipe)
+  model = build(library, cfg, policy, precision, batch_axes(sharding))
   try:
     params, p_shardings = param_shardings(library, model, mesh, rules, tokens)
   except flax.errors.PartitioningUnspecifiedError:
@@ -342,7 +397,7 @@ def compile_row(size, topology, sharding, library, policy, chip_batch,
                'opt_state': opt_shardings}
   state = aot.abstract({'step': jax.ShapeDtypeStruct((), jnp.int32),
                         'params': params, 'opt_state': opt_state}, shardings)
-  batch_sharding = NamedSharding(mesh, PartitionSpec('data'))
+  batch_sharding = NamedSharding(mesh, PartitionSpec(batch_axes(sharding)))
   tokens = jax.ShapeDtypeStruct((batch, cfg.max_len + 1), jnp.int32,
                                 sharding=batch_sharding)
   step = lm_train.make_train_step(model, optimizer, 0,
@@ -356,7 +411,9 @@ def compile_row(size, topology, sharding, library, policy, chip_batch,
 
   label = (f'{size} L={cfg.num_layers} {topology} {sharding} {library} '
            f'{policy} {precision} b={batch}')
-  report, _ = aot.compile_report(label, lower)
+  if pipe is not None:
+    label += f' {pipe.mode} M={pipe.microbatches}'
+  report, _ = aot.compile_report(label, lower, mesh)
   return Row(size, topology, sharding, library, policy, batch,
              sharded_bytes(state), report, model_flops(cfg, batch), **extra)
 
@@ -365,7 +422,7 @@ def mfu(row: Row) -> float | None:
   est = row.report.est_seconds
   if not row.report.fits or est is None:
     return None
-  chips = aot.topology_mesh(row.topology, {'d': -1}).size
+  chips = len(aot.topology_devices(row.topology))
   return row.model_flops / chips / est / aot.chip(row.topology)['peak_flops']
 
 
@@ -382,7 +439,14 @@ def mfu_cell(m: float | None) -> str:
 
 HEADER = ('| size | layers | slice | sharding | library | stack | precision | '
           'batch | param+opt MiB | peak MiB | temp MiB | host MiB | fits | '
-          'model TFLOP/step | est. s (XLA model) | est. MFU | compile s |')
+          'model TFLOP/step | est. s (XLA model) | est. MFU | DCN MiB/step | '
+          'ICI MiB/step | compile s |')
+
+
+def network_cell(report: aot.Report, network: str) -> str:
+  """MiB per chip per step on ``network`` (benchmarks/traffic.py)."""
+  mib = report.network_mib(network)
+  return '-' if mib is None else f'{mib:,.1f}'
 
 
 def format_row(row: Row) -> str:
@@ -398,7 +462,8 @@ def format_row(row: Row) -> str:
     cells += ['-', '-', '-', r.verdict()]
   cells += [f'{row.model_flops / 1e12:,.1f}',
             'n/a' if r.est_seconds is None else f'{r.est_seconds:.3f}',
-            mfu_cell(m), f'{r.compile_s:.1f}']
+            mfu_cell(m), network_cell(r, 'dcn'), network_cell(r, 'ici'),
+            f'{r.compile_s:.1f}']
   return '| ' + ' | '.join(str(c) for c in cells) + ' |'
 
 
@@ -551,7 +616,7 @@ def main(argv):
         'state), compiled per slice; per-device figures; est. s and MFU come '
         'from XLA\'s cost model.')
   print(HEADER)
-  print('|' + '---|' * 17)
+  print('|' + '---|' * 19)
   start = time.perf_counter()
   for spec in plan():
     print(format_row(compile_row(**spec)), flush=True)
