@@ -94,7 +94,9 @@ def _work():
             flush=True)
     if verdict in harness.FAILURES and F.shrink:
       program, draws, detail, runs = harness.shrink(
-          family, draws, verdict, budget_s=F.shrink_s)
+          family, draws, verdict, budget_s=F.shrink_s,
+          progress=lambda n: print(f'shrinking seed {seed}: {n} runs',
+                                   flush=True))
       print(f'shrunk in {runs} runs:\n' +
             harness.report(family, seed, program, draws, verdict, detail),
             flush=True)

@@ -111,3 +111,12 @@ def test_the_soak_reads_a_silent_worker_as_a_hang():
   finally:
     proc.kill()
     proc.wait()
+
+
+def test_shrink_reports_each_run():
+  """The soak's worker prints each shrinking run: its parent counts a
+  silent worker as hung, and shrinking is not silence."""
+  seen = []
+  family = _toy_family(lambda p: p[0] >= 3)
+  harness.shrink(family, [8, 7], 'mismatch', progress=seen.append)
+  assert seen and seen == list(range(1, len(seen) + 1))

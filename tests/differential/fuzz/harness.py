@@ -132,7 +132,8 @@ def signature(verdict: str, detail: str) -> tuple:
 
 
 def shrink(family: Family, draws, verdict: str, budget_s: float = 300.0,
-           max_runs: int = 200) -> tuple:
+           max_runs: int = 200, progress: Callable[[int], None] = None
+           ) -> tuple:
   """Lowers ``draws`` one value at a time while the program still fails
   the same way (``signature``: the verdict, ``'mismatch'`` or ``'hang'``,
   and the class of what raised, if anything did).
@@ -143,6 +144,8 @@ def shrink(family: Family, draws, verdict: str, budget_s: float = 300.0,
     verdict: the failure to keep.
     budget_s: stop after this many seconds.
     max_runs: stop after this many candidate programs.
+    progress: called with the number of runs after each one (the soak's
+      worker prints it, so that its parent sees it is not hung).
 
   Returns:
     ``(program, draws, detail, runs)`` of the smallest failing program found.
@@ -162,6 +165,8 @@ def shrink(family: Family, draws, verdict: str, budget_s: float = 300.0,
         runs += 1
         cand_program, used, cand_verdict, cand_detail = run_draws(
             family, candidate)
+        if progress:
+          progress(runs)
         if signature(cand_verdict, cand_detail) == keep:
           program, best, detail = cand_program, used, cand_detail
           improved = True
