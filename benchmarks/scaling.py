@@ -210,13 +210,13 @@ def mesh_for(sharding: str, topology: str) -> jax.sharding.Mesh:
   return aot.topology_mesh(topology, sized, dcn)
 
 
-def pipeline_for(sharding: str, topology: str):
-  """The ``nn.Pipeline`` of a ``stage_fsdp`` row (one stage per slice),
-  else None."""
+def pipeline_for(sharding: str, topology: str, micro: int, mode: str):
+  """The ``nn.Pipeline`` of a ``stage_fsdp`` row (one stage per slice,
+  ``micro`` microbatches, schedule ``mode``), else None."""
   if sharding != 'stage_fsdp':
     return None
   return lnn.Pipeline(stages=aot.split_slices(topology)[1],
-                      microbatches=F.pipeline_micro, mode=F.pipeline_mode)
+                      microbatches=micro, mode=mode)
 
 
 def liftmods_stack(policy, batch='data'):
@@ -360,15 +360,16 @@ class Row:
 
 
 def compile_row(size, topology, sharding, library, policy, chip_batch,
-                cfg=None, precision='f32', layers=0):
+                cfg=None, precision='f32', layers=0, micro=8, mode='gpipe'):
   """One row: the train step compiled for ``topology`` in ``precision``
-  (``cfg`` overrides the size's config, ``layers`` its layer count)."""
+  (``cfg`` overrides the size's config, ``layers`` its layer count;
+  ``micro`` and ``mode`` are a ``stage_fsdp`` row's pipeline)."""
   cfg = cfg or config(size, layers)
   _, rules = SHARDINGS[sharding]
   mesh = mesh_for(sharding, topology)
   batch = chip_batch * mesh.size
   tokens = jax.ShapeDtypeStruct((1, cfg.max_len), jnp.int32)
-  pipe = pipeline_for(sharding, topology)
+  pipe = pipeline_for(sharding, topology, micro, mode)
   extra = dict(precision=precision, layers=cfg.num_layers)
   if pipe is not None and library != 'liftmods':
     report = aot.Report(f'{size} {library} {policy}', 0.0, fits=False,
@@ -494,7 +495,8 @@ def plan():
             continue
           yield dict(size=size, topology=topology, sharding=sharding,
                      library=library, policy=policy, chip_batch=chip_batch,
-                     precision=precision, layers=layers)
+                     precision=precision, layers=layers,
+                     micro=F.pipeline_micro, mode=F.pipeline_mode)
 
 
 def largest_f32(hlo_text: str) -> int:
