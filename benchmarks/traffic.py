@@ -252,11 +252,15 @@ def network_bytes(table: dict, network: str) -> int:
   return sum(b for (net, _), b in table.items() if net == network)
 
 
+def _size(b: int) -> str:
+  return f'{b / 2**20:,.2f} MiB' if b >= 2**20 else f'{b / 2**10:,.1f} KiB'
+
+
 def summary(table: dict) -> str:
-  """'dcn all_reduce 1.0 MiB; ici all-gather 2.0 MiB' of ``traffic``."""
+  """'dcn all-reduce 1.00 MiB; ici all-gather 20.0 KiB' of ``traffic``."""
   if not table:
     return 'none'
-  return '; '.join(f'{net} {kind} {b / 2**20:,.2f} MiB'
+  return '; '.join(f'{net} {kind} {_size(b)}'
                    for (net, kind), b in sorted(table.items()))
 
 

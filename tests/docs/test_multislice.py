@@ -228,8 +228,11 @@ def test_megascale_sends_are_dcn_and_the_per_slice_program_is_ici():
       ('dcn', 'collective-permute', 8 * 128 * 2, 4),
       ('ici', 'all-reduce', 64 * 128 * 4, 4)]
   assert traffic.summary(traffic.traffic(PER_SLICE_HLO, TWO_SLICES)) == (
-      'dcn all-reduce 0.12 MiB; dcn collective-permute 0.01 MiB; '
-      'ici all-reduce 0.12 MiB')
+      'dcn all-reduce 128.0 KiB; dcn collective-permute 8.0 KiB; '
+      'ici all-reduce 128.0 KiB')
+  assert traffic.summary({('dcn', 'all-reduce'): 3 * 2**20}) == (
+      'dcn all-reduce 3.00 MiB')
+  assert traffic.summary({}) == 'none'
 
 
 def test_trip_count_from_the_condition_counts_from_the_counters_start():
