@@ -515,11 +515,18 @@ def Stack(block: type[Module], length: int, *,  # pylint: disable=invalid-name
   def scan(self, x, *args, **kwargs):
     return _run(self, block, config, False, x, args, kwargs)
 
+  def setup(self):
+    # The block's setup runs in each layer (the clones ``_run`` lifts are
+    # ``block``s); run here, on the stack's own scope, variables it declares
+    # would be created once, without their layer axis.
+    del self
+
   __call__.__doc__ = f'Folds x through the {config.length} layers.'
   scan.__doc__ = (f'Scans x through the {config.length} layers; returns (x, '
                   'per-layer outputs stacked on axis 0).')
   return type('Stack' + block.__name__, (block,),
-              {'__call__': __call__, 'scan': scan, 'stack_config': config,
+              {'__call__': __call__, 'scan': scan, 'setup': setup,
+               'stack_config': config,
                '__module__': block.__module__})
 
 
