@@ -621,7 +621,11 @@ def main(argv):
   print('|' + '---|' * 19)
   start = time.perf_counter()
   for spec in plan():
-    print(format_row(compile_row(**spec)), flush=True)
+    row = compile_row(**spec)
+    print(format_row(row), flush=True)
+    if row.report.traffic:
+      print(f'  bytes per chip per step: '
+            f'{aot.traffic_lib.summary(row.report.traffic)}', flush=True)
   print(f'\nPeak bf16 FLOP/s per chip (Cloud TPU docs): ' + ', '.join(
       f'{k} {v["peak_flops"] / 1e12:.0f}T' for k, v in aot.CHIPS.items()) +
         f'. Total compile time {time.perf_counter() - start:.0f} s.')
