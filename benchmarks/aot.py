@@ -24,6 +24,13 @@ A program whose memory exceeds the chip's HBM is refused by the TPU compiler
 the largest size of a model the compiler fits with few full compiles.
 
   python -m benchmarks.stack --topology=v5e:2x2 --hidden=512 --batch=16384
+
+Several slices joined by the data-center network: ``--num_slices=2`` (or
+the name ``2xv5e:4x4``). ``topology_mesh`` then builds a hybrid mesh whose
+DCN axes (``--dcn_axes=data:2``; by default the first axis) are split into
+slices outermost, refusing with ``MeshTopologyError`` a mesh that does not
+fit the slices; ``compile_report(..., mesh)`` adds the bytes per step on
+each network (``benchmarks/traffic.py``).
 """
 import collections
 import dataclasses
