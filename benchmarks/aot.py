@@ -51,7 +51,8 @@ flags.DEFINE_string(
     'v5e:2x2, v5e:16x16, v5p:8x8x16 (needs libtpu: pip install -e ".[tpu]")')
 flags.DEFINE_integer(
     'num_slices', 1, 'with --topology: that many slices of it, joined by the '
-    'data-center network (DCN); the same as --topology=Nx<topology>')
+    'data-center network (DCN); the same as --topology=Nx<topology> (read '
+    'by binaries that call flag_topology(): benchmarks.pipeline)')
 flags.DEFINE_list(
     'dcn_axes', [], 'mesh axes that span slices, as AXIS:SLICES (e.g. data:2 '
     'or stage:2,data:2); default: the mesh\'s first axis spans them all')
