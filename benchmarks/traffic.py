@@ -16,8 +16,8 @@ between slices. Read from the optimized HLO text (``compiled.as_text()``):
 
 Bytes are per device and per step: the size of a collective's result (for a
 megascale send, of the data sent), times how often it runs: an op inside a
-loop body counts once per iteration (XLA's ``known_trip_count``), nested
-loops multiply (see ``_trip_count``). The result size is the volume a collective delivers, not the
+loop body counts once per iteration (``_trip_count``), nested loops
+multiply. The result size is the volume a collective delivers, not the
 wire bytes of its algorithm (a ring all-reduce sends about twice it).
 """
 import collections
@@ -80,8 +80,8 @@ def _groups(line: str, devices: int) -> list[list[int]]:
   if pairs:
     return [[int(i) for i in p.split(',')]
             for p in re.findall(r'\{(\d+,\d+)', pairs.group(1) + '}')]
-  iota = re.search(r'replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?',
-                   line)
+  iota = re.search(
+      r'replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?', line)
   if iota:
     shape = [int(d) for d in iota.group(1).split(',')]
     dims = [int(d) for d in iota.group(2).split(',')]
@@ -162,7 +162,8 @@ def _trip_count(comps: dict, caller: _Computation, line: str,
   if known:
     return int(known.group(1))
   cond = re.search(r'condition=%?([\w.\-]+)', line)
-  bound = comps[cond.group(1)].bound if cond and cond.group(1) in comps else None
+  name = cond.group(1) if cond else None
+  bound = comps[name].bound if name in comps else None
   if bound is None:
     return 1
   start = caller.firsts.get(operand)

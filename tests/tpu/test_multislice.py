@@ -93,7 +93,8 @@ x = jax.ShapeDtypeStruct((32, 256), jnp.float32)
 for stages, pipe in ((1, None), (2, nn.Pipeline(stages=2, microbatches=4))):
   stack = nn.Stack(pipeline.Block, 4, policy='full', pipeline=pipe)(256)
   r = pipeline.tpu_report('row', stack, stages, x, '2xv5e:2x2')
-  print('ROW', r.fits, json.dumps({'/'.join(k): b for k, b in r.traffic.items()}))
+  table = {'/'.join(k): b for k, b in r.traffic.items()}
+  print('ROW', r.fits, json.dumps(table))
 """
 
 
