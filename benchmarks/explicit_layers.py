@@ -90,6 +90,7 @@ class Case:
   ints: int = 0
   method: str = '__call__'
   mutable: tuple = ()
+  dropout: bool = False
 
 
 class Wrapped(nn.Module):
@@ -246,6 +247,8 @@ CASES = {
                                             scale_init=ones('embed'),
                                             bias_init=zeros('embed')),
                        SEQ, SEQ_NAMES, mutable=('batch_stats',)),
+    'dropout': Case(lambda: nn.Dropout(0.5, deterministic=False), SEQ,
+                    SEQ_NAMES, dropout=True),
     'lstm': Case(_Rnn, SEQ, SEQ_NAMES),
     'pool': Case(_Pool, SEQ, SEQ_NAMES),
     'remat': Case(_Remat, SEQ, SEQ_NAMES),
@@ -275,8 +278,11 @@ def _step(model, case: Case):
   collections, as one function of (variables, input)."""
   argnums = (0,) if case.ints else (0, 1)
 
+  rngs = {'dropout': jax.random.key(1)} if case.dropout else None
+
   def loss(variables, x):
-    y, updates = model.apply(variables, x, mutable=list(case.mutable))
+    y, updates = model.apply(variables, x, mutable=list(case.mutable),
+                             rngs=rngs)
     return jnp.sum(y.astype(jnp.float32) ** 2), (y, updates)
 
   def step(variables, x):

@@ -83,7 +83,8 @@ def _attention_dropout(weights, rng, rate, broadcast, key_ndim, dtype):
     shape = (1,) * (key_ndim - 2) + weights.shape[-2:]
   else:
     shape = weights.shape
-  keep = random.bernoulli(rng, keep_prob, shape)
+  keep = random.bernoulli(rng, keep_prob, shape,
+                          out_sharding=explicit.sharding_like(weights, shape))
   return weights * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype))
 
 

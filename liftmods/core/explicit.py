@@ -350,6 +350,23 @@ def windowed(fn: Callable[..., Any], x):
   return fn(x)
 
 
+def sharding_like(x, shape):
+  """The sharding of an array of ``shape`` (aligned with ``x`` at the
+  right) laid out as ``x`` where the sizes agree and unsharded elsewhere,
+  for an op that takes ``out_sharding=`` (random bits for a dropout mask:
+  each device draws its own block, not the whole mask); None off Explicit
+  axes."""
+  mesh = explicit_mesh(x)
+  if mesh is None:
+    return None
+  offset = jnp.ndim(x) - len(shape)
+  spec = spec_of(x)
+  return _sharding(mesh, PartitionSpec(*(
+      spec[offset + i] if offset + i >= 0 and
+      jnp.shape(x)[offset + i] == n else None
+      for i, n in enumerate(shape))))
+
+
 def match(w, x):
   """``w`` (broadcasting against ``x``, aligned at the right) laid out as
   ``x`` on the dimensions it shares with it, and unsharded where it
@@ -426,5 +443,5 @@ def unshard_leading(xs):
 
 
 __all__ = ['as_first', 'conv', 'dot_general', 'einsum', 'explicit_mesh',
-           'layout_as', 'like', 'match', 'out_spec', 'spec_of', 'take',
-           'unshard_leading', 'windowed']
+           'layout_as', 'like', 'match', 'out_spec', 'sharding_like',
+           'spec_of', 'take', 'unshard_leading', 'windowed']

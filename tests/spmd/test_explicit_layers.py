@@ -1,6 +1,6 @@
 """Runs the per-layer Explicit-mesh cases (tests/spmd/explicit_layers_cases.py)
 in a fresh process with 8 simulated CPU devices (see tests/multidevice.py):
-ten cases under FSDP + TP in make test, the rest in make test-integration."""
+eleven cases under FSDP + TP in make test, the rest in make test-integration."""
 import pathlib
 
 import pytest
