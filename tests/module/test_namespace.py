@@ -64,14 +64,6 @@ EXCLUDED = {
                       'lives in liftmods.core.lift (core.broadcast is there)',
     'core.partial_eval': 'Flax-internal helper module for jax partial '
                          'evaluation; liftmods uses jax.interpreters directly',
-    # Rendering internals of Linen's rich-based tabulate.
-    'nn.summary.Row': 'internal row record of Linen\'s rich table; '
-                   'liftmods.summary renders its own table',
-    'nn.summary.Table': 'internal table record of Linen\'s rich table; '
-                     'liftmods.summary renders its own table',
-    'nn.summary.LazyRng': 'Flax\'s lazy PRNG class; liftmods\'s is '
-                       'liftmods.core.rngs.LazyKey, and a LazyRng passed in '
-                       'is accepted by duck typing',
     'core.Scope': 'Linen\'s extra debug_path argument (used only in its '
                   'error messages) is not accepted; every other parameter '
                   'matches',
