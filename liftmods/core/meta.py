@@ -194,6 +194,20 @@ def keep_axes(spec, keep) -> jax.sharding.PartitionSpec:
   return jax.sharding.PartitionSpec(*out)
 
 
+def _check_divisible(x, spec, mesh):
+  """On Explicit axes a dimension must divide over its mesh axes (a type
+  cannot be padded): ShardingDivisibilityError, not JAX's ValueError."""
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  shape = jax.numpy.shape(x)
+  for dim, entry in enumerate(tuple(spec)[:len(shape)]):
+    size = 1
+    for axis in spec_axes(entry):
+      size *= sizes[axis]
+    if shape[dim] % size:
+      raise errors.ShardingDivisibilityError('sharding constraint', shape,
+                                             tuple(spec), dim, size)
+
+
 def constrain(x, spec, mesh=None):
   """``x`` laid out as ``spec`` says, on ``mesh`` (None: the mesh context),
   whatever the mesh's axis types.
@@ -231,6 +245,7 @@ def constrain(x, spec, mesh=None):
       spec, lambda a: types.get(a) != jax.sharding.AxisType.Explicit)
   named = lambda s: jax.sharding.NamedSharding(mesh, s) if mesh else s
   if any(t == jax.sharding.AxisType.Explicit for t in types.values()):
+    _check_divisible(x, explicit, mesh or context)
     x = jax.sharding.reshard(x, named(explicit))
     if not any(spec_axes(e) for e in auto):
       return x

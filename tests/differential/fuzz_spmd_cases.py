@@ -31,11 +31,10 @@ def test_family_slice(name):
         family, seed, program, draws, verdict, detail)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    'found by the sharded_init family (seed 14): under jax.set_mesh of an '
-    'Explicit mesh, spmd.with_logical_constraint lets jax raise its own '
-    'ValueError, which names no module path'))
 def test_init_sharded_on_an_explicit_mesh_names_the_indivisible_variable():
+  """Found by the sharded_init family (seed 14): under jax.set_mesh of an
+  Explicit mesh, the constraint a box applies let JAX raise its own
+  ValueError; meta.constrain now checks the division first."""
   prog = spmd_family.InitProgram(
       layers=(('dense', 4, ('embed', None)),), rules=(('embed', 'data'),),
       mesh=0, explicit=True, in_features=4)
