@@ -305,7 +305,7 @@ def static_names(fn: Callable[..., Any],
   """``nn.jit``'s arguments with ``static_argnames`` completed as
   ``jax.jit`` completes them: given only ``static_argnums``, the parameters
   of ``fn`` at those positions (``self`` is 0) are static when passed by
-  keyword too (Linen traces them then: flax issue 3171).
+  keyword too (Linen traces them then: flax#3171).
 
   Args:
     fn: the method's function, ``self`` first.

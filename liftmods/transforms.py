@@ -722,7 +722,7 @@ def remat_scan(target: Target, lengths: Sequence[int] = (),
       its own keys.
     metadata_params: the axis metadata of stacked boxed variables, e.g.
       ``{nn.PARTITION_NAME: 'layers'}`` (Linen's ``remat_scan`` lacks it,
-      flax issue 3870): one mapping for every level, or one per level,
+      flax#3870): one mapping for every level, or one per level,
       outermost first, e.g. ``[{nn.PARTITION_NAME: 'stages'},
       {nn.PARTITION_NAME: None}]``.
 

@@ -130,7 +130,7 @@ def _keep_read_only(given: dict, created: dict) -> dict:
 
   The pass returns only the collections it could write; the read-only ones
   it was given stay as they were (Linen drops them, so the body then finds
-  them empty: flax issue 2773).
+  them empty: flax#2773).
   """
   kept = {col: x for col, x in given.items() if col not in created}
   return {**kept, **created}

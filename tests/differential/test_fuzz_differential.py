@@ -82,3 +82,27 @@ def test_compare_detects_a_difference():
 
   verdict, detail = compare.compare(case, fnn, Skewed())
   assert verdict == 'mismatch' and 'trees differ' in detail
+
+
+def test_a_linen_bug_liftmods_fixes_is_not_a_mismatch():
+  """The smoke run drew map_variables(init=True) applied with other mutable
+  collections: Linen finds 'params' empty (flax#2773), liftmods runs (on
+  purpose, docs/coming-from-linen.md); the fuzzer says so instead of
+  reporting a mismatch."""
+  src = (
+      'class Node1(nn.Module):\n'
+      '  @nn.compact\n'
+      '  def __call__(self, x):\n'
+      '    return nn.DenseGeneral(4, axis=-1)(x)\n\n'
+      'class Model(nn.Module):\n'
+      '  train: bool = False\n\n'
+      '  def setup(self):\n'
+      "    self.m0 = nn.map_variables(Node1, 'params', lambda v: v, "
+      'lambda v: v, init=True, mutable=True)()\n\n'
+      '  def __call__(self, x):\n'
+      '    return self.m0(x)\n')
+  case = compare.Case(src=src, train=True, init_train=True,
+                      mutable=('batch_stats',), ref_src=None)
+  verdict, detail = compare.compare(case, fnn, lnn)
+  assert verdict == 'linen_fails', detail
+  assert 'ScopeCollectionNotFound' in detail

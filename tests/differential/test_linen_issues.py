@@ -199,7 +199,7 @@ def test_3171_jit_static_argnums_cover_keyword_arguments():
 
 # -- nn.remat's static_argnums and arguments passed by keyword -----------------
 # (no flax issue found for the keyword form; jax.checkpoint fails the same
-# way, jax-ml/jax issue 18405)
+# way, jax-ml/jax#18405)
 
 
 def _remat_block(nn):

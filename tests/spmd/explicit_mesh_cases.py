@@ -96,7 +96,7 @@ def run(model, layout, types):
 # Explicit axes partition the model otherwise than Auto ones (reshards
 # where Auto propagates), so the per-device programs differ (on jax 0.10 and
 # 0.12), and whether their other fusions and reduction orders move the last
-# bit depends on the CPU: issue 47's AdamW step was bitwise on AVX-512 and
+# bit depends on the CPU: the AdamW step below was bitwise on AVX-512 and
 # one ulp apart elsewhere (3e-8 under --xla_cpu_max_isa=AVX2 on jax 0.12).
 # Where the programs differ the values are compared to float32 rounding over
 # a four-layer stack: 1e-5 relative is about 100 ulps.
