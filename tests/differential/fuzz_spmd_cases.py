@@ -23,12 +23,7 @@ CI_SEEDS = {'sharded_init': (100, 2), 'shard_map': (101, 1),
 
 @pytest.mark.parametrize('name', sorted(CI_SEEDS))
 def test_family_slice(name):
-  family = families.get(name)
-  first, count = CI_SEEDS[name]
-  for seed in range(first, first + count):
-    program, draws, verdict, detail = harness.run_seed(family, seed)
-    assert verdict not in harness.FAILURES, harness.report(
-        family, seed, program, draws, verdict, detail)
+  harness.assert_seeds_pass(families.get(name), *CI_SEEDS[name])
 
 
 def test_init_sharded_on_an_explicit_mesh_names_the_indivisible_variable():

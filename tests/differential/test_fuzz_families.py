@@ -22,12 +22,7 @@ CI_SEEDS = {'stack': (100, 3), 'attention': (100, 3), 'lifted': (100, 3),
 
 @pytest.mark.parametrize('name', sorted(CI_SEEDS))
 def test_family_slice(name):
-  family = families.get(name)
-  first, count = CI_SEEDS[name]
-  for seed in range(first, first + count):
-    program, draws, verdict, detail = harness.run_seed(family, seed)
-    assert verdict not in harness.FAILURES, harness.report(
-        family, seed, program, draws, verdict, detail)
+  harness.assert_seeds_pass(families.get(name), *CI_SEEDS[name])
 
 
 @pytest.mark.long

@@ -185,3 +185,12 @@ def report(family: Family, seed: int, program, draws, verdict: str,
   return (f'--- {family.name} seed {seed}: {verdict}\n'
           f'rerun: python -m benchmarks.fuzz --family={family.name} '
           f'--replay={replay}\n{shown}\n{src or ""}\n{detail}')
+
+
+def assert_seeds_pass(family: Family, first: int, count: int) -> None:
+  """Runs seeds ``first .. first + count - 1`` of ``family`` (a CI slice)
+  and fails with the report of the first that mismatches or hangs."""
+  for seed in range(first, first + count):
+    program, draws, verdict, detail = run_seed(family, seed)
+    assert verdict not in FAILURES, report(family, seed, program, draws,
+                                           verdict, detail)
