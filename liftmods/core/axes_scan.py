@@ -144,10 +144,14 @@ def _invariant_outputs(step, broadcast_in, init, xs, out_axes, explain):
 def _loop(step, broadcast_in, init, xs, out_axes, verify, unchecked, explain,
           length, reverse, unroll, split_transpose):
   """The ``lax.scan`` itself; the ys of broadcast out axes are ``()``."""
+  # On Explicit axes the carry keeps the layout it enters with (its type);
+  # decided once here, not by walking both carries in every body trace.
+  keep_layout = explicit.explicit_mesh(*jax.tree_util.tree_leaves(init))
 
   def loop_body(carry, x_slice):
     b_out, new_carry, ys = step(broadcast_in, carry, x_slice)
-    carry = explicit.like(new_carry, carry)
+    carry = (new_carry if keep_layout is None
+             else explicit.like(new_carry, carry))
     if unchecked:
       _check_nothing_broadcast_made(broadcast_in, b_out, explain)
     if verify is not None:

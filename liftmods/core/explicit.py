@@ -374,16 +374,10 @@ def match(w, x):
   weight is gathered). ``w`` as it is off Explicit axes."""
   if w is None or jnp.ndim(w) == 0:
     return w
-  mesh = explicit_mesh(x, w)
-  if mesh is None:
+  target = sharding_like(x, jnp.shape(w))
+  if target is None or spec_of(w) == tuple(target.spec):
     return w
-  x_spec = spec_of(x)[jnp.ndim(x) - jnp.ndim(w):]
-  shape = jnp.shape(x)[jnp.ndim(x) - jnp.ndim(w):]
-  spec = PartitionSpec(*(e if n == m else None for e, n, m in
-                         zip(x_spec, jnp.shape(w), shape)))
-  if spec_of(w) == tuple(spec):
-    return w
-  return jax.sharding.reshard(w, _sharding(mesh, spec))
+  return jax.sharding.reshard(w, target)
 
 
 def like(new, old):
