@@ -279,8 +279,9 @@ def _partitioned_specs(out):
   flat('partitioning/scan_init', nn.meta.unbox(variables), out)
 
 
-def to_nnx(out):
-  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+def to_nnx_model(nn):
+  """``(NNX module holding a Linen MLP through bridge.ToNNX, lazily
+  initialized on X; the MLP class)``, the MLP written with ``nn``."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from flax.nnx import bridge  # pylint: disable=import-outside-toplevel
 
@@ -298,7 +299,14 @@ def to_nnx(out):
     def __call__(self, x):
       return self.head(self.mlp(x, mutable=['batch_stats']))
 
-  model = bridge.lazy_init(Outer(rngs=nnx.Rngs(0)), X)
+  return bridge.lazy_init(Outer(rngs=nnx.Rngs(0)), X), LinenMLP
+
+
+def to_nnx(out):
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  model, LinenMLP = to_nnx_model(nn)  # pylint: disable=invalid-name
   _, state = nnx.split(model)
   flat('to_nnx/split', nnx.to_pure_dict(state), out)
   flat('to_nnx/y', model(X), out)

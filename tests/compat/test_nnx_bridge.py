@@ -19,7 +19,7 @@ import pytest
 
 import liftmods as lnn
 from tests.compat import differential
-from tests.compat.nnx_bridge_side import PARTS, X
+from tests.compat.nnx_bridge_side import PARTS, X, to_nnx_model
 from treecheck import assert_identical
 
 
@@ -68,24 +68,7 @@ def test_partition_specs_survive_the_bridge(sides):
 
 
 def _to_nnx_outer(nn):
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from flax.nnx import bridge  # pylint: disable=import-outside-toplevel
-
-  class LinenMLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      x = nn.BatchNorm(use_running_average=False, name='bn')(x)
-      return nn.Dense(2, name='out')(jnp.tanh(nn.Dense(4, name='hid')(x)))
-
-  class Outer(nnx.Module):
-    def __init__(self, *, rngs):
-      self.mlp = bridge.ToNNX(LinenMLP(), rngs=rngs)
-      self.head = nnx.Linear(2, 1, rngs=rngs)
-
-    def __call__(self, x):
-      return self.head(self.mlp(x, mutable=['batch_stats']))
-
-  return bridge.lazy_init(Outer(rngs=nnx.Rngs(0)), X)
+  return to_nnx_model(nn)[0]
 
 
 def _key_data(tree):
