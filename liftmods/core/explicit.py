@@ -65,8 +65,11 @@ caching.register('core.explicit._explicit_axes', caching.Policy(
 
 def explicit_mesh(*arrays):
   """The mesh of the first of ``arrays`` whose type carries Explicit mesh
-  axes, or None (no mesh, Auto axes only, or not arrays)."""
+  axes, or None (no mesh, Auto axes only, or not arrays). Values of other
+  types (a quantization library's wrapped kernel) carry no mesh."""
   for x in arrays:
+    if not isinstance(x, jax.Array):
+      continue
     sharding = getattr(jax.typeof(x), 'sharding', None)
     mesh = getattr(sharding, 'mesh', None)
     if mesh is not None and not mesh.empty and _explicit_axes(mesh):

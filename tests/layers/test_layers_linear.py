@@ -300,6 +300,34 @@ def test_conv_mask_and_injected_conv():
         rand(7, (2, 6, 2)))
 
 
+class _Wrapped:
+  """A kernel that is not a JAX type, as a quantization library's
+  post-training path hands one to an injected op (qwix's ``WithAux``)."""
+
+  def __init__(self, array):
+    self.array = array
+
+
+def _wrap_kernel(inputs, kernel, bias, dtype=None):
+  return inputs, _Wrapped(kernel), bias
+
+
+def _unwrapping(op):
+  return lambda lhs, rhs, *args, **kwargs: op(lhs, rhs.array, *args, **kwargs)
+
+
+@pytest.mark.parametrize('layer', ['Dense', 'Conv'])
+def test_injected_op_receives_a_kernel_that_is_not_an_array(layer):
+  if layer == 'Dense':
+    build = lambda nn: nn.Dense(3, promote_dtype=_wrap_kernel,
+                                dot_general=_unwrapping(lax.dot_general))
+  else:
+    build = lambda nn: nn.Conv(
+        3, (3,), promote_dtype=_wrap_kernel,
+        conv_general_dilated=_unwrapping(lax.conv_general_dilated))
+  check(build, rand(8, (2, 6, 2)))
+
+
 CONV_LOCAL_CASES = {
     'valid': (dict(features=3, kernel_size=(3,), padding='VALID'), (2, 6, 2)),
     'same_2d': (dict(features=2, kernel_size=(2, 2)), (1, 4, 3, 2)),
