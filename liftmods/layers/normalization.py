@@ -26,7 +26,7 @@ from jax import lax
 
 from liftmods import dtypes, initializers
 from liftmods.core import explicit
-from liftmods.module import Module, compact, merge_param
+from liftmods.module import Module, compact, merge_param, nowrap
 
 Array = Any
 Dtype = Any
@@ -260,6 +260,7 @@ class BatchNorm(Module):
                       self.use_bias, self.use_scale, self.bias_init,
                       self.scale_init, self.force_float32_reductions)
 
+  @nowrap
   def _use_running_average(self, call_value):
     try:
       return merge_param('use_running_average', self.use_running_average,
@@ -270,9 +271,11 @@ class BatchNorm(Module):
           'batch_stats (evaluation), False to use and update the batch '
           'statistics (training).)') from None
 
+  @nowrap
   def _stats_dtype(self):
     return jnp.float32 if self.force_float32_reductions else self.param_dtype
 
+  @nowrap
   def _running_averages(self, feature_shape):
     dtype = self._stats_dtype()
     ra_mean = self.variable('batch_stats', 'mean',
@@ -281,12 +284,14 @@ class BatchNorm(Module):
                            lambda s: jnp.ones(s, dtype), feature_shape)
     return ra_mean, ra_var
 
+  @nowrap
   def _stored_stats(self, ra_mean, ra_var):
     if self.force_float32_reductions:
       return ra_mean.value, ra_var.value
     return (jnp.asarray(ra_mean.value, self.param_dtype),
             jnp.asarray(ra_var.value, self.param_dtype))
 
+  @nowrap
   def _batch_stats(self, x, reduction_axes, mask):
     # During init the named axis need not exist, so no cross-axis mean.
     axis_name = None if self.is_initializing() else self.axis_name
@@ -492,6 +497,7 @@ class GroupNorm(Module):
                       self.use_bias, self.use_scale, self.bias_init,
                       self.scale_init, self.force_float32_reductions)
 
+  @nowrap
   def _reduction_axes(self, ndim):
     axes = self.reduction_axes
     if axes is None:
@@ -505,6 +511,7 @@ class GroupNorm(Module):
           f'{self.reduction_axes!r}.)')
     return axes
 
+  @nowrap
   def _num_groups(self, channels):
     if (self.num_groups is None) == (self.group_size is None):
       raise ValueError(

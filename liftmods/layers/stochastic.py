@@ -22,7 +22,7 @@ from jax import lax, random
 
 from liftmods import errors
 from liftmods.core import explicit
-from liftmods.module import Module, compact, merge_param
+from liftmods.module import Module, compact, merge_param, nowrap
 
 PRNGKey = Any
 
@@ -77,6 +77,7 @@ class Dropout(Module):
     mask = explicit.match(jnp.broadcast_to(mask, inputs.shape), inputs)
     return lax.select(mask, inputs / keep_prob, jnp.zeros_like(inputs))
 
+  @nowrap
   def _deterministic(self, call_value):
     try:
       return merge_param('deterministic', self.deterministic, call_value)
@@ -86,6 +87,7 @@ class Dropout(Module):
           'inputs unchanged (evaluation), False to apply a random mask '
           '(training).)') from None
 
+  @nowrap
   def _make_rng(self):
     scope = self.scope
     if scope.has_rng(self.rng_collection) or scope.has_rng('params'):

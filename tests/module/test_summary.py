@@ -407,3 +407,48 @@ def test_record_calls_hook():
   assert inner[0].args == (jax.ShapeDtypeStruct(X.shape, X.dtype),)
   assert inner[-1].outputs == jax.ShapeDtypeStruct((X.shape[0], 2), X.dtype)
   assert [c.path for c in outer] == [c.path for c in inner]  # apply only
+
+
+def _layers_model(nn):
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.BatchNorm(use_running_average=False)(nn.Dense(4)(x))
+      x = nn.GroupNorm(num_groups=2)(x)
+      return nn.Dropout(0.5, deterministic=False)(x)
+  return Model()
+
+
+@pytest.mark.parametrize('kwargs', [{}, {'show_repeated': True}], ids=str)
+def test_layer_helpers_are_not_rows(kwargs):
+  """BatchNorm, GroupNorm and Dropout's private helpers are not module
+  calls: the table has Linen's rows, one per layer."""
+  linen = pytest.importorskip('flax.linen')
+  keys = {'params': KEY, 'dropout': KEY}
+  ours = _layers_model(lnn).tabulate(keys, X, **kwargs)
+  theirs = re.sub(r'\x1b\[[0-9;]*m', '', _layers_model(linen).tabulate(
+      keys, X, console_kwargs={'width': 300, 'force_terminal': False},
+      **kwargs))
+  assert ([r[:2] for r in parse_rows(ours)[1:-1]] ==
+          [r[:2] for r in parse_rows(theirs)[1:-1]] ==
+          [['', 'Model'], ['Dense_0', 'Dense'], ['BatchNorm_0', 'BatchNorm'],
+           ['GroupNorm_0', 'GroupNorm'], ['Dropout_0', 'Dropout']])
+
+
+def _wrapped_methods(cls):
+  return {k for c in cls.__mro__ for k, v in c.__dict__.items()
+          if getattr(v, 'method_handler_wrapped', False)}
+
+
+def test_layers_wrap_the_methods_linen_wraps():
+  """A wrapped method is a module call (a tabulate row, an interceptor
+  call): each layer wraps exactly the methods its Linen namesake does."""
+  linen = pytest.importorskip('flax.linen')
+  checked = 0
+  for name in dir(linen):
+    theirs, ours = getattr(linen, name), getattr(lnn, name, None)
+    if (inspect.isclass(ours) and issubclass(ours, Module)
+        and ours.__module__.startswith('liftmods.layers')):
+      assert _wrapped_methods(ours) == _wrapped_methods(theirs), name
+      checked += 1
+  assert checked > 20
