@@ -300,6 +300,9 @@ def module_variables(path: tuple[str, ...], variables: Mapping,
   return own, subs
 
 
+_FLOPS_MUTABLE = DenyList('intermediates')
+
+
 def _call_flops(call: ModuleCall, rngs, vjp: bool) -> int:
   """XLA's FLOP estimate for re-running ``call`` on its own module copy."""
   module = call.module.clone(parent=None, name=None, _deep_clone=True)
@@ -313,10 +316,11 @@ def _call_flops(call: ModuleCall, rngs, vjp: bool) -> int:
   def forward(variables, arrays):
     args, kwargs = rebuild(arrays)
     return module.apply(variables, *args, rngs=apply_rngs, method=call.method,
-                        mutable=True, **kwargs)
+                        mutable=_FLOPS_MUTABLE, **kwargs)
 
   def backward(variables, arrays):
-    out, pullback, _ = jax.vjp(forward, variables, arrays, has_aux=True)
+    # Linen's count: the pullback of the output and the updated state.
+    out, pullback = jax.vjp(forward, variables, arrays)
     return pullback(out)
 
   variables = jax.eval_shape(init, arrays)
@@ -343,11 +347,16 @@ def _rows(calls, variables, depth, show_repeated) -> list:
   seen = set()
   rows = []
   for c in calls:
-    if depth is not None and len(c.path) > depth:
-      continue
-    if c.path in seen:
+    # A function run on a module (a map_variables target) is recorded under
+    # its own name, which the module lacks: like a repeated call it is shown
+    # only with show_repeated (and then, as in Linen, it takes the path's
+    # variables away from the path's later rows).
+    if c.path in seen or not hasattr(c.module, c.method):
       if show_repeated:
+        seen.add(c.path)
         rows.append(_Row(c, {}, {}))
+      continue
+    if depth is not None and len(c.path) > depth:
       continue
     seen.add(c.path)
     subtree = _at_path(variables, c.path)

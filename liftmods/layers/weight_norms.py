@@ -56,11 +56,11 @@ def _run_mapped(mdl: Module, args, kwargs, trans_in_fn, mutable: bool):
   """Calls ``mdl.layer_instance(*args, **kwargs)`` with its variables
   passed through ``trans_in_fn``."""
 
-  def forward(layer):
+  def layer_forward(layer):
     return layer(*args, **kwargs)
 
   return transforms.map_variables(
-      forward, trans_in_fn=trans_in_fn, init=mdl.is_initializing(),
+      layer_forward, trans_in_fn=trans_in_fn, init=mdl.is_initializing(),
       mutable=mutable)(mdl.layer_instance)
 
 
