@@ -26,7 +26,7 @@ from typing import Any, TypeVar, Union
 import jax
 
 from liftmods import errors
-from liftmods.core import caching, lift
+from liftmods.core import caching, lift, rng_counters
 from liftmods.core import meta
 from liftmods.core.frozen_dict import FrozenDict
 from liftmods.core.scope import Scope, Variable
@@ -928,6 +928,33 @@ def while_loop(cond_fn: Callable[..., Any], body_fn: Callable[..., Any],
   return lift_direct(loop, (cond_fn, body_fn), mdl, init)
 
 
+def _branches_run_first(run: Callable[[], Any],
+                        branches: Sequence[Callable[..., Any]], mdl: Module,
+                        operands: tuple) -> Any:
+  """Runs the conditional ``run``; if its branches create different
+  variables (Linen: JAX's cond ``TypeError``), runs every distinct branch
+  once on ``mdl`` first and then the conditional again, as Linen's own
+  documentation tells users to write it (flax#2200). The rng counters the
+  rejected trace advanced are rewound first, so the values equal that
+  program's."""
+  root = mdl.scope.root if mdl.scope is not None else None
+  counters = None if root is None else rng_counters.snapshot(
+      root.rng_counters)
+  try:
+    return run()
+  except errors.CondBranchVariablesError as rejected:
+    if root is None or not getattr(rejected, 'creation_only', False):
+      raise
+    err = rejected
+  rng_counters.restore(root.rng_counters, counters)
+  try:
+    for branch in dict.fromkeys(unbound_method(b) for b in branches):
+      branch(mdl, *operands)
+  except Exception as failed:  # the branches conflict: say so, as before
+    raise err from failed
+  return run()
+
+
 def _cond(true_fn, false_fn, scope, pred, *operands, variables, rngs):
   return lift.cond(pred, true_fn, false_fn, scope, *operands,
                    variables=variables, rngs=rngs)
@@ -939,7 +966,10 @@ def cond(pred: Any, true_fun: Callable[..., Any],
          rngs: PRNGSequenceFilter = True) -> Any:
   """``lax.cond`` between two functions of ``mdl``.
 
-  During init both branches run, so that both create their variables.
+  Both branches are traced. If they create different variables (which
+  JAX's cond rejects, and Linen with it), each branch first runs once on
+  ``mdl`` outside the conditional, so that all variables exist, and then
+  the conditional runs: the program Linen's documentation recommends.
 
   Args:
     pred: a boolean scalar choosing the branch.
@@ -953,8 +983,10 @@ def cond(pred: Any, true_fun: Callable[..., Any],
   Returns:
     The chosen branch's output.
   """
-  return lift_direct(_cond, (true_fun, false_fun), mdl, pred, *operands,
-                     variables=variables, rngs=rngs)
+  return _branches_run_first(
+      lambda: lift_direct(_cond, (true_fun, false_fun), mdl, pred, *operands,
+                          variables=variables, rngs=rngs),
+      (true_fun, false_fun), mdl, operands)
 
 
 def _switch(*args, variables, rngs, n_branches):
@@ -968,7 +1000,10 @@ def switch(index: Any, branches: Sequence[Callable[..., Any]], mdl: Module,
            rngs: PRNGSequenceFilter = True) -> Any:
   """``lax.switch`` among functions of ``mdl``.
 
-  During init every branch runs, so that each creates its variables.
+  All branches are traced. If they create different variables (which
+  JAX's switch rejects, and Linen with it), each branch first runs once on
+  ``mdl`` outside the switch, so that all variables exist, and then the
+  switch runs: the program Linen's documentation recommends.
 
   Args:
     index: an integer scalar choosing the branch (clamped to the range).
@@ -981,9 +1016,12 @@ def switch(index: Any, branches: Sequence[Callable[..., Any]], mdl: Module,
   Returns:
     The chosen branch's output.
   """
-  return lift_direct(_switch, tuple(branches), mdl, index, *operands,
-                     variables=variables, rngs=rngs,
-                     n_branches=len(branches))
+  branches = tuple(branches)
+  return _branches_run_first(
+      lambda: lift_direct(_switch, branches, mdl, index, *operands,
+                          variables=variables, rngs=rngs,
+                          n_branches=len(branches)),
+      branches, mdl, operands)
 
 
 def _custom_vjp_split(fn, backward_fn, grad_vars='params', nondiff_argnums=()):

@@ -561,6 +561,17 @@ def _branch_error(kind, scopes, signatures):
   return None
 
 
+def _creation_only(signatures) -> bool:
+  """Whether the branches differ only in which variables they create (not
+  in the shape or dtype of one they all create)."""
+  first = signatures[0]
+  for other in signatures[1:]:
+    for path in set(first) & set(other):
+      if first[path] != other[path]:
+        return False
+  return True
+
+
 def _branches(kind, branches, select, scope, operands, variables, rngs):
   def inner(make_scopes, repack_fn, variable_groups, rng_groups):
     scopes = outer_scopes(make_scopes)
@@ -582,6 +593,7 @@ def _branches(kind, branches, select, scope, operands, variables, rngs):
       if all(s is not None for s in signatures):
         better = _branch_error(kind, scopes, signatures)
         if better is not None:
+          better.creation_only = _creation_only(signatures)
           raise better from err
       raise
 
