@@ -138,7 +138,8 @@ class MultiHeadDotProductAttention(Module):
     attention_fn: function ``(query, key, value, **kwargs)`` computing the
       attention; only the keyword arguments it declares are passed.
     decode: keep and use an autoregressive key/value cache (the ``cache``
-      collection).
+      collection): each call writes its positions (one, or a whole prompt)
+      after those already cached, and attends causally.
     normalize_qk: apply bias-free LayerNorms ``query_ln``/``key_ln`` to the
       projected queries and keys.
     force_fp32_for_softmax: compute the softmax in float32.
@@ -291,13 +292,16 @@ class MultiHeadDotProductAttention(Module):
     if not primed:
       return key, value, mask
     *batch, max_length, heads, depth = cached_key.value.shape
-    expected = tuple(batch) + (1, heads, depth)
-    if tuple(query.shape) != expected:
+    steps = query.shape[-3] if query.ndim == len(batch) + 3 else 1
+    expected = tuple(batch) + (steps, heads, depth)
+    if tuple(query.shape) != expected or not 1 <= steps <= max_length:
       raise AttentionConfigError(
           'Autoregressive cache shape error, expected query shape '
-          f'{expected} instead got {tuple(query.shape)}. ({self._where()}: '
-          'decode=True feeds one position per call; the expected shape '
-          'comes from the cache.)')
+          f'{tuple(batch) + (1, heads, depth)} instead got '
+          f'{tuple(query.shape)}. ({self._where()}: decode=True feeds one '
+          'position per call, or a prompt of at most the cache length '
+          f'{max_length} in one call; the other dimensions come from the '
+          'cache.)')
     position = cache_index.value
     zero = jnp.array(0, dtype=position.dtype)
     start = (zero,) * len(batch) + (position, zero, zero)
@@ -307,9 +311,14 @@ class MultiHeadDotProductAttention(Module):
         cached_value.value, explicit.layout_as(value, cached_value.value),
         start)
     cached_key.value, cached_value.value = key, value
-    cache_index.value = cache_index.value + 1
-    filled = jnp.broadcast_to(jnp.arange(max_length) <= position,
-                              tuple(batch) + (1, 1, max_length))
+    cache_index.value = cache_index.value + steps
+    if steps == 1:
+      filled = jnp.broadcast_to(jnp.arange(max_length) <= position,
+                                tuple(batch) + (1, 1, max_length))
+    else:  # a prompt: each of its positions sees the cache up to itself
+      seen = position + jnp.arange(steps, dtype=position.dtype)[:, None]
+      filled = jnp.broadcast_to(jnp.arange(max_length)[None, :] <= seen,
+                                tuple(batch) + (1, steps, max_length))
     return key, value, combine_masks(mask, filled)
 
   @nowrap
@@ -379,7 +388,8 @@ class MultiHeadAttention(MultiHeadDotProductAttention):
     attention_fn: function ``(query, key, value, **kwargs)`` computing the
       attention; only the keyword arguments it declares are passed.
     decode: keep and use an autoregressive key/value cache (the ``cache``
-      collection).
+      collection): each call writes its positions (one, or a whole prompt)
+      after those already cached, and attends causally.
     normalize_qk: apply bias-free LayerNorms ``query_ln``/``key_ln`` to the
       projected queries and keys.
     force_fp32_for_softmax: compute the softmax in float32.
@@ -431,7 +441,8 @@ class SelfAttention(MultiHeadDotProductAttention):
     attention_fn: function ``(query, key, value, **kwargs)`` computing the
       attention; only the keyword arguments it declares are passed.
     decode: keep and use an autoregressive key/value cache (the ``cache``
-      collection).
+      collection): each call writes its positions (one, or a whole prompt)
+      after those already cached, and attends causally.
     normalize_qk: apply bias-free LayerNorms ``query_ln``/``key_ln`` to the
       projected queries and keys.
     force_fp32_for_softmax: compute the softmax in float32.

@@ -756,7 +756,8 @@ def test_attention_decode_cache_shape():
     m = nn.MultiHeadDotProductAttention(num_heads=1, decode=True)
     x = jnp.ones((1, 4, 3))
     v = m.init(KEY, x)
-    m.apply(v, x, mutable=['cache'])
+    # longer than the cache (liftmods takes a prompt up to its length)
+    m.apply(v, jnp.ones((1, 5, 3)), mutable=['cache'])
 
   check(run)
 

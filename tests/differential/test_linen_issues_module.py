@@ -114,3 +114,55 @@ def test_3779_show_repeated_names_the_mapped_call_as_linen_does():
   assert ours.count('Dense (layer_forward)') == 2
   assert [c for c in module_cells(fnn) if c != 'Dense'] == [
       c for c in ours if c != 'Dense']
+
+
+# -- flax 1317: decode=True fed a whole prompt in one call -----------------------
+
+
+def _decoder(nn):
+  return nn.SelfAttention(num_heads=2, qkv_features=4, decode=True)
+
+
+X_SEQ = normal(5, (2, 4, 6))
+
+
+def _step_by_step(variables, steps):
+  """Linen's way: one position per call, the cache carried along."""
+  cache, outs = variables['cache'], []
+  for t in steps:
+    y, state = _decoder(fnn).apply(
+        {'params': variables['params'], 'cache': cache}, X_SEQ[:, t:t + 1],
+        mutable=['cache'])
+    cache = state['cache']
+    outs.append(y)
+  return jnp.concatenate(outs, axis=1), cache
+
+
+def test_1317_linen_decode_rejects_a_prompt():
+  variables = _decoder(fnn).init(KEY, X_SEQ)
+  with pytest.raises(ValueError, match='Autoregressive cache shape error'):
+    _decoder(fnn).apply(variables, X_SEQ[:, :3], mutable=['cache'])
+
+
+def test_1317_prompt_in_one_call_equals_one_position_per_call():
+  """A 3-position prompt written in one call gives Linen's step-by-step
+  outputs and cache bit for bit, and the next step continues from it."""
+  variables = _decoder(lnn).init(KEY, X_SEQ)
+  assert_identical(variables, _decoder(fnn).init(KEY, X_SEQ))
+  y, state = _decoder(lnn).apply(variables, X_SEQ[:, :3], mutable=['cache'])
+  y_ref, cache_ref = _step_by_step(variables, range(3))
+  assert_identical((y, state['cache']), (y_ref, cache_ref))
+  assert int(state['cache']['cache_index']) == 3
+
+  params = variables['params']
+  y4, _ = _decoder(lnn).apply({'params': params, 'cache': state['cache']},
+                              X_SEQ[:, 3:4], mutable=['cache'])
+  y4_ref, _ = _decoder(fnn).apply({'params': params, 'cache': cache_ref},
+                                  X_SEQ[:, 3:4], mutable=['cache'])
+  assert_identical(y4, y4_ref)
+
+
+def test_1317_prompt_longer_than_the_cache_is_rejected():
+  variables = _decoder(lnn).init(KEY, X_SEQ[:, :2])
+  with pytest.raises(ValueError, match='at most the cache length 2'):
+    _decoder(lnn).apply(variables, X_SEQ[:, :3], mutable=['cache'])

@@ -507,8 +507,10 @@ def test_error_decode_step_shape():
   x = jnp.ones((2, 3, 4))
   variables = model.init(jax.random.key(0), x)
   with pytest.raises(ValueError, match=r'expected query shape \(2, 1, 2, 2\) '
-                     r'instead got \(2, 2, 2, 2\).*/dec'):
-    model.apply(variables, x[:, :2], mutable=['cache'])
+                     r'instead got \(2, 4, 2, 2\).*/dec.*cache length 3'):
+    model.apply(variables, jnp.ones((2, 4, 4)), mutable=['cache'])
+  with pytest.raises(ValueError, match=r'instead got \(1, 1, 2, 2\)'):
+    model.apply(variables, x[:1, :1], mutable=['cache'])
 
 
 def test_error_input_argument_combinations():
