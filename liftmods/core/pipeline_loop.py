@@ -380,7 +380,19 @@ def stage_fn(layer: Callable[..., Any], policy: Callable[..., Any] | None,
 
 def _shard(layout, mesh, per_stage, whole, staged):
   """``per_stage(*whole, *staged)`` on every stage: ``whole`` replicated,
-  ``staged`` split on its leading (stage) axis, outputs stacked on it."""
+  ``staged`` split on its leading (stage) axis, outputs stacked on it.
+
+  One stage needs no manual region: a vmap over the one-entry stage axis
+  names it for the loop's collectives. (Under ``jax.grad``, a shard_map
+  over a mesh axis of size 1 made XLA's SPMD partitioner fail a RET_CHECK
+  on the all-reduce that transposes a replicated input, once the batch
+  was sharded over another axis.)"""
+  if layout.stages == 1:
+    def one(*args):  # per_stage sees (and returns) the stage axis of one
+      args = args[:len(whole)] + tuple(_lead(args[len(whole):]))
+      return _at(per_stage(*args), 0)
+    return jax.vmap(one, in_axes=(None,) * len(whole) + (0,) * len(staged),
+                    axis_name=layout.axis, axis_size=1)(*whole, *staged)
   spec = PartitionSpec(layout.axis)
   return jax.shard_map(
       per_stage, mesh=mesh,
