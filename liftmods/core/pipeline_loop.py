@@ -245,14 +245,14 @@ def _run_pipeline(layout, mesh, layer, policy, c, stacked, keys, per_layer, *,
   staged = tuple(_staged(tree, layout) for tree in (
       fixed, mutable, layout.stage_major(keys),
       layout.stage_major(per_layer)))
-  stage = stage_fn(layer, policy,
-                   length // (layout.stages * layout.repeats), explain)
+  per_chunk = length // (layout.stages * layout.repeats)
+  stage = stage_fn(layer, policy, per_chunk, explain)
   if training is None:
     out, mutable = _shard(layout, mesh, functools.partial(
         _forward_stage, layout, stage), (micro,), staged)
     return joined(_at(out, 0)), _unstaged(mutable), None
-  return _one_f_one_b(layout, training, stage, mesh, micro, fixed, staged,
-                      explain)
+  return _one_f_one_b(layout, training, stage, per_chunk, mesh, micro, fixed,
+                      staged, explain)
 
 
 # -- pieces ---------------------------------------------------------------------
@@ -661,10 +661,10 @@ def surrogate(loss: Any, pairs: Sequence[tuple[Any, Any]]) -> Any:
   return total
 
 
-def _one_f_one_b(layout, training, stage, mesh, micro, fixed, staged,
-                 explain):
+def _one_f_one_b(layout, training, stage, per_chunk, mesh, micro, fixed,
+                 staged, explain):
   """A training schedule across the stages: ``(c, mutable, surrogate
-  loss)`` (see :func:`run_pipeline`)."""
+  loss)`` (see :func:`run_pipeline`); ``per_chunk`` layers a chunk."""
   m = layout.microbatches
   for a, is_batch in zip(training.arrays, training.batched):
     if is_batch and jnp.shape(a)[0] % m:
@@ -676,7 +676,8 @@ def _one_f_one_b(layout, training, stage, mesh, micro, fixed, staged,
   # (which the loss's calls in the loop never read) must not, or every
   # stage would get all of them.
   outer = _without(training.params, fixed)
-  if len(leaves_of(outer)) == len(leaves_of(training.params)):
+  own = leaves_of([cols.get('params', {}) for cols in fixed])
+  if own and len(leaves_of(outer)) == len(leaves_of(training.params)):
     raise explain.not_in_params()
   sg = lambda tree: tree_map(lax.stop_gradient, tree)
   shape = tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
@@ -684,7 +685,7 @@ def _one_f_one_b(layout, training, stage, mesh, micro, fixed, staged,
   table = training_table(layout.stages, m, layout.repeats,
                          layout.split_backward)
   per_stage = functools.partial(_one_f_one_b_stage, layout, training, stage,
-                                shape, explain, table, rows)
+                                per_chunk, shape, explain, table, rows)
   outputs, mutable, grads, outer_grads, loss = _shard(
       layout, mesh, per_stage, (batches, sg(outer)), sg(staged))
   # The gradients enter jax.grad's trace through the stack's variables (in
@@ -728,8 +729,9 @@ def _repeated(tree, n):
   return tree_map(lambda a: jnp.broadcast_to(a, (n,) + a.shape), tree)
 
 
-def _one_f_one_b_stage(layout, training, stage, shape, explain, table, rows,
-                       batches, outer, fixed, mutable, keys, per_layer):
+def _one_f_one_b_stage(layout, training, stage, per_chunk, shape, explain,
+                       table, rows, batches, outer, fixed, mutable, keys,
+                       per_layer):
   """The training loop on this stage: ``(outputs, mutable, grads, outer
   grads, loss)``, each with a leading stage axis of one."""
   fixed, mutable, keys, per_layer = _at((fixed, mutable, keys, per_layer), 0)
@@ -746,14 +748,14 @@ def _one_f_one_b_stage(layout, training, stage, shape, explain, table, rows,
   # masks than the forward did.
   traced, out_shape = jax.make_jaxpr(stage_once, return_shape=True)(
       fill, _at(fixed, 0), _at(mutable, 0), _at(keys, 0), _at(per_layer, 0),
-      *loop_class.extra_arguments(fill, fixed))
+      *loop_class.extra_arguments(fill, per_chunk))
   s = lax.axis_index(layout.axis)
   loop = loop_class(
       layout, training, explain, s, s == 0, s == layout.stages - 1, fill,
       shape, list(zip(batches, rows)), outer_diff, rebuild_outer, fixed,
       keys, per_layer,
       jax_private.jaxpr_as_fun(traced),
-      jax.tree_util.tree_structure(out_shape), table)
+      jax.tree_util.tree_structure(out_shape), table, per_chunk)
   carry = loop.start(mutable)
   # Each run of iterations with the same kinds of work is a loop of its
   # own, whose body leaves out the kinds no stage runs there (1F1B: no
@@ -815,6 +817,7 @@ class _OneFOneB:
   program: Callable[..., Any]
   out_tree: Any
   table: Table
+  per_chunk: int  # layers in a chunk (a block may have no variables)
 
   def start(self, mutable):
     """The loop's carry before the first iteration."""
@@ -872,13 +875,13 @@ class _OneFOneB:
     return self.layout.repeats - 1
 
   @staticmethod
-  def extra_arguments(fill, fixed):
+  def extra_arguments(fill, per_chunk):
     """The program's arguments after the chunk's own."""
-    del fill, fixed
+    del fill, per_chunk
     return ()
 
   def extra(self):
-    return self.extra_arguments(self.fill, self.fixed)
+    return self.extra_arguments(self.fill, self.per_chunk)
 
   def forward_half(self, f, carry):
     """Forward of chunk ``f.repeat`` on microbatch ``f.micro``: stage 0's
@@ -978,16 +981,15 @@ class _ZeroBubble(_OneFOneB):
   backward computes."""
 
   def start(self, mutable):
-    n_layers = leaves_of(self.fixed)[0].shape[1]
-    cots = _repeated(_repeated(self.fill, n_layers), self.table.cotangents)
+    cots = _repeated(_repeated(self.fill, self.per_chunk),
+                     self.table.cotangents)
     return dict(super().start(mutable), cots=cots)
 
   @staticmethod
-  def extra_arguments(fill, fixed):
+  def extra_arguments(fill, per_chunk):
     """Zero probes on every layer's output, and whether to cut the
     gradient between layers (no)."""
-    return (_repeated(fill, leaves_of(fixed)[0].shape[1]),
-            jnp.zeros((), bool))
+    return _repeated(fill, per_chunk), jnp.zeros((), bool)
 
   def probes(self):
     return self.extra()[0]

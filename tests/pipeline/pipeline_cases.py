@@ -808,6 +808,39 @@ def test_zero_bubble_counts_each_microbatch_once_and_uses_gpipe_keys():
   assert_grads_close(grads, grads_g)
 
 
+class Tanh(nn.Module):
+  """A block without variables."""
+
+  @nn.compact
+  def __call__(self, x):
+    return jnp.tanh(x)
+
+
+@pytest.mark.parametrize('mode,repeats', [
+    ('gpipe', 1), ('1f1b', 1), ('1f1b', 2), ('zero_bubble', 1)])
+def test_a_block_without_variables_trains_under_every_schedule(mode,
+                                                               repeats):
+  """A stack of a variable-less block: the training loops looked for the
+  stack's variables among loss_fn's params, found none, and raised
+  "cannot find the stack's variables ... must pass them to model.apply
+  unchanged", which they were. Now every schedule gives the unpipelined
+  loss and the gradients of the layers around the stack."""
+  pipe = nn.Pipeline(stages=2, microbatches=2, repeats=repeats, mode=mode)
+  model = Model(Tanh, 2 * repeats, pipe)
+  plain = Model(Tanh, 2 * repeats, None)
+  x, target = model_batch(8)
+  params = init(plain, x)['params']
+  assert sorted(params) == ['Dense_0', 'Dense_1']
+  grad = (jax.value_and_grad if mode == 'gpipe' else
+          nn.pipeline.value_and_grad)
+  with jax.set_mesh(mesh_of(2, 1)):
+    loss, grads = jax.jit(grad(model_loss(model)))(params, x, target)
+  loss_ref, grads_ref = jax.value_and_grad(model_loss(plain))(
+      params, x, target)
+  np.testing.assert_allclose(loss, loss_ref, rtol=OUT_RTOL)
+  assert_grads_close(grads, grads_ref)
+
+
 def test_interleaving_errors_name_the_constraint():
   with pytest.raises(ValueError, match=r'microbatches must be a multiple of '
                      r'stages; got microbatches=6, stages=4\. Use '
