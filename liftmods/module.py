@@ -24,6 +24,7 @@ import enum
 import functools
 import inspect
 import itertools
+import threading
 import types
 import weakref
 from collections.abc import Callable, Mapping
@@ -60,6 +61,34 @@ _calls = call_context.calls
 # running module (qwix does); under ``liftmods.compat`` they get this object,
 # whose ``module_stack`` and ``capture_stack`` mean what Linen's do.
 _context = _calls
+
+
+# The modules whose own ``__post_init__`` override is running, innermost last
+# (per thread): they may still set plain attributes after
+# ``super().__post_init__()``.
+_post_initializing = threading.local()
+
+
+def _in_post_init(module) -> bool:
+  stack = getattr(_post_initializing, 'stack', None)
+  return bool(stack) and stack[-1] is module
+
+
+def _tracks_post_init(post_init: Callable) -> Callable:
+  """Wraps a class's own ``__post_init__`` so that ``__setattr__`` knows it
+  runs (InitVar arguments pass through)."""
+
+  @functools.wraps(post_init)
+  def wrapped(self, *args, **kwargs):
+    stack = _post_initializing.__dict__.setdefault('stack', [])
+    stack.append(self)
+    try:
+      return post_init(self, *args, **kwargs)
+    finally:
+      stack.pop()
+
+  wrapped.tracks_post_init = True
+  return wrapped
 
 
 class _Unspecified:
@@ -445,6 +474,10 @@ class Module:
 
   def __init_subclass__(cls, kw_only: bool = False, **kwargs):
     super().__init_subclass__(**kwargs)
+    post_init = cls.__dict__.get('__post_init__')
+    if callable(post_init) and not getattr(post_init, 'tracks_post_init',
+                                           False):
+      cls.__post_init__ = _tracks_post_init(post_init)
     cls._dataclass_transform(kw_only)
     cls._wrap_methods()
     cls._init_field_names = tuple(
@@ -598,7 +631,8 @@ class Module:
   def __setattr__(self, name: str, val):
     state = self._state
     if not state.in_setup:
-      if not state.initialized or name.startswith('__'):
+      if (not state.initialized or name.startswith('__')
+          or self._derived_in_post_init(name, val)):
         object.__setattr__(self, name, val)
         return
       raise errors.SetAttributeFrozenModuleError(type(self).__name__, name,
@@ -606,6 +640,14 @@ class Module:
     if name in self._init_field_names:
       raise errors.SetAttributeInModuleSetupError(type(self).__name__, name)
     self._register_submodules(name, val)
+
+  def _derived_in_post_init(self, name: str, val) -> bool:
+    """A plain attribute set by the module's own ``__post_init__`` after
+    ``super().__post_init__()`` (Linen refuses it, flax#2479): not a field,
+    and holding no submodule (those belong in ``setup``)."""
+    return (_in_post_init(self) and name not in self.__dataclass_fields__
+            and not any(isinstance(x, Module) for x in jax.tree_util.tree_leaves(
+                val, is_leaf=lambda x: isinstance(x, Module))))
 
   def __getattr__(self, name: str):
     if name in _COPY_PICKLE or name.startswith('__'):

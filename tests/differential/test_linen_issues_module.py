@@ -9,6 +9,7 @@ docs/coming-from-linen.md ("Linen issues that work in liftmods").
 """
 import re
 
+import flax.errors
 import flax.linen as fnn
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import pytest
 from flax import serialization as fser
 
 import liftmods as lnn
+from liftmods import errors
 from liftmods import serialization as lser
 from liftmods import summary as lsummary
 from flax.linen import summary as fsummary
@@ -25,6 +27,7 @@ from treecheck import assert_identical, normal
 pytestmark = pytest.mark.usefixtures('fast_compiles')
 
 KEY = jax.random.key(0)
+X3 = normal(3, (2, 3))
 
 
 def _text(table: str) -> str:
@@ -166,3 +169,88 @@ def test_1317_prompt_longer_than_the_cache_is_rejected():
   variables = _decoder(lnn).init(KEY, X_SEQ[:, :2])
   with pytest.raises(ValueError, match='at most the cache length 2'):
     _decoder(lnn).apply(variables, X_SEQ[:, :3], mutable=['cache'])
+
+
+# -- flax 2479: attributes derived in __post_init__ after super() ----------------
+
+
+def _scaled(nn, after_super=True):
+  class Scaled(nn.Module):
+    features: int
+
+    def __post_init__(self):
+      if after_super:
+        super().__post_init__()
+      self.hidden = 2 * self.features  # derived from a field
+      if not after_super:
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(self.features)(nn.Dense(self.hidden)(x))
+
+  class Outer(nn.Module):
+    def setup(self):
+      self.inner = Scaled(3)
+
+    @nn.compact
+    def __call__(self, x):
+      return self.inner(x) + Scaled(3, name='compact')(x)
+  return Outer()
+
+
+def test_2479_linen_refuses_attributes_set_after_super_post_init():
+  with pytest.raises(flax.errors.SetAttributeFrozenModuleError):
+    _scaled(fnn).init(KEY, X3)
+
+
+def test_2479_post_init_sets_derived_attributes_after_super():
+  """Set after ``super().__post_init__()``, the attribute gives Linen's
+  values for the same module setting it before (Linen's only order), at top
+  level, in setup and in a compact method; clones recompute it."""
+  ours = _scaled(lnn)
+  variables = ours.init(KEY, X3)
+  theirs = _scaled(fnn, after_super=False)
+  assert_identical(variables, theirs.init(KEY, X3))
+  assert_identical(ours.apply(variables, X3), theirs.apply(variables, X3))
+  assert ours.bind(variables).inner.hidden == 6
+  assert lnn.Dense(2).clone().features == 2
+
+
+def test_2479_fields_and_submodules_stay_frozen_after_super():
+  class SetsField(lnn.Module):
+    features: int = 2
+
+    def __post_init__(self):
+      super().__post_init__()
+      self.features = 3
+
+  class SetsSubmodule(lnn.Module):
+    def __post_init__(self):
+      super().__post_init__()
+      self.dense = lnn.Dense(2)
+
+  class Later(lnn.Module):
+    def __post_init__(self):
+      super().__post_init__()
+      self.fine = 1
+
+    def __call__(self, x):
+      self.anything = 1  # outside __post_init__
+      return x
+
+  def outer(cls):
+    class Outer(lnn.Module):
+      @lnn.compact
+      def __call__(self, x):
+        cls(name='child')
+        return x
+    return Outer()
+
+  for cls in (SetsField, SetsSubmodule):
+    with pytest.raises(errors.SetAttributeFrozenModuleError):
+      outer(cls).init(KEY, X3)
+  assert outer(Later).init(KEY, X3) == {}
+  with pytest.raises(errors.SetAttributeFrozenModuleError,
+                     match='anything'):
+    Later().init(KEY, X3)
