@@ -708,7 +708,9 @@ def remat_scan(target: Target, lengths: Sequence[int] = (),
   """Applies ``target`` ``prod(lengths)`` times as nested rematerialized scans.
 
   Gradient memory then grows like ``n ** (1 / len(lengths))`` for ``n``
-  applications. ``target`` maps a carry to a carry.
+  applications. ``target`` maps a carry to a carry; further call arguments
+  (a ``train`` flag, a mask) reach every application unchanged, where
+  Linen's ``remat_scan`` calls the block with the carry only.
 
   Args:
     target: a Module class, or a function ``fn(module, carry)``.

@@ -692,8 +692,11 @@ def remat_scan(body_fn: Callable[..., Any], lengths: Sequence[int],
   Memory grows like ``n ** (1 / len(lengths))``. Variables get one leading
   axis per level.
 
+  Arguments after the carry reach every application unchanged (Linen's
+  ``remat_scan`` takes none: its body is called with the carry only).
+
   Args:
-    body_fn: ``body_fn(scope, carry) -> carry``.
+    body_fn: ``body_fn(scope, carry, *args, **kwargs) -> carry``.
     lengths: the loop lengths, outermost first.
     policy: a ``jax.checkpoint_policies`` rule.
     variable_broadcast: collections shared by every application.
@@ -705,12 +708,33 @@ def remat_scan(body_fn: Callable[..., Any], lengths: Sequence[int],
       (outermost first).
 
   Returns:
-    ``f(scope, carry) -> carry``.
+    ``f(scope, carry, *args, **kwargs) -> carry``.
 
   Raises:
     ValueError: ``metadata_params`` is a sequence whose length is not
       ``len(lengths)``.
   """
+  levels = _remat_scan_levels(body_fn, lengths, policy, variable_broadcast,
+                              variable_carry, variable_axes, split_rngs,
+                              metadata_params)
+
+  def apply(scope, carry, *args, **kwargs):
+    if not args and not kwargs:
+      return levels(scope, carry)
+    # The extra arguments are closed over, so that every level (and
+    # jax.checkpoint) sees them as they were given: a Python flag stays
+    # static, an array is one value shared by all applications.
+    body = lambda inner, c: body_fn(inner, c, *args, **kwargs)
+    return _remat_scan_levels(body, lengths, policy, variable_broadcast,
+                              variable_carry, variable_axes, split_rngs,
+                              metadata_params)(scope, carry)
+  return apply
+
+
+def _remat_scan_levels(body_fn, lengths, policy, variable_broadcast,
+                       variable_carry, variable_axes, split_rngs,
+                       metadata_params):
+  """``remat_scan`` of a body taking the carry only."""
   per_level = level_metadata(metadata_params, lengths)
   level = functools.partial(scan, variable_broadcast=variable_broadcast,
                             variable_carry=variable_carry,
@@ -725,9 +749,10 @@ def remat_scan(body_fn: Callable[..., Any], lengths: Sequence[int],
 
   @functools.partial(remat, policy=policy, prevent_cse=False)
   def nested(scope, carry):
-    carry = remat_scan(body_fn, lengths[1:], policy, variable_broadcast,
-                       variable_carry, variable_axes, split_rngs,
-                       per_level[1:])(scope, carry)
+    carry = _remat_scan_levels(body_fn, lengths[1:], policy,
+                               variable_broadcast, variable_carry,
+                               variable_axes, split_rngs,
+                               per_level[1:])(scope, carry)
     return carry, ()
 
   return lambda scope, c: level(nested, length=lengths[0])(scope, c)[0]

@@ -91,3 +91,52 @@ def test_2200_branches_still_must_agree_on_shapes():
                       lambda m, x: lnn.Dense(4, name='a')(x)[:, :3], self, x)
   with pytest.raises(lnn.errors.CondBranchVariablesError, match='"a/'):
     Model().init(KEY, X, True)
+
+
+# -- nn.remat_scan over a block taking more than the carry ---------------------
+# (no flax issue found; flax's FAQ, added in flax#3267, recommends
+# scan(remat(...)) because remat_scan takes nothing but the carry)
+
+
+def _remat_scan_block(nn, train=None, mask=None):
+  """A block with dropout and a mask; with ``train``/``mask`` given they are
+  attributes (what Linen's remat_scan can run), else call arguments."""
+  class Body(nn.Module):
+    flag: bool | None = None
+    fixed_mask: jax.Array | None = None
+
+    @nn.compact
+    def __call__(self, x, *args):
+      train, mask = args if args else (self.flag, self.fixed_mask)
+      x = jnp.tanh(nn.Dense(3)(x)) * mask
+      return nn.Dropout(0.5, deterministic=not train)(x)
+  return nn.remat_scan(Body, lengths=(2, 2))(flag=train, fixed_mask=mask)
+
+
+MASK = jnp.array([1., 0., 1.])
+RNGS = {'params': KEY, 'dropout': jax.random.key(1)}
+
+
+def test_remat_scan_linen_calls_the_block_with_the_carry_only():
+  with pytest.raises(TypeError, match='positional argument'):
+    _remat_scan_block(fnn).init(RNGS, X, True, MASK)
+
+
+@pytest.mark.parametrize('train', [True, False])
+def test_remat_scan_passes_further_arguments_to_every_block(train):
+  """A Python flag (static) and an array reach every application; the
+  variables, outputs (dropout keys included) and gradients equal Linen's
+  remat_scan of the block holding them as attributes."""
+  ours = _remat_scan_block(lnn)
+  theirs = _remat_scan_block(fnn, train=train, mask=MASK)
+  variables = ours.init(RNGS, X, train, MASK)
+  assert_identical(variables, plain(theirs.init(RNGS, X)))
+
+  def loss(params, model, *args):
+    y = model.apply({'params': params}, X, *args,
+                    rngs={'dropout': jax.random.key(2)})
+    return jnp.sum(y ** 2)
+
+  params = variables['params']
+  assert_identical(jax.value_and_grad(loss)(params, ours, train, MASK),
+                   jax.value_and_grad(loss)(params, theirs))
