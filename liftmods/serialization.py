@@ -238,6 +238,10 @@ def _array_payload(arr) -> bytes:
   if arr.dtype.hasobject or arr.dtype.isalignedstruct:
     raise ValueError('arrays of objects or structured dtypes cannot be '
                      'serialized')
+  if not arr.dtype.isnative:
+    # The payload names the dtype without its byte order and is read back
+    # in native order (Linen writes the foreign bytes and reads garbage).
+    arr = arr.astype(arr.dtype.newbyteorder('='))
   return msgpack.packb((arr.shape, arr.dtype.name, arr.tobytes('C')),
                        use_bin_type=True)
 

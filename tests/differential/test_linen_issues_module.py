@@ -254,3 +254,31 @@ def test_2479_fields_and_submodules_stay_frozen_after_super():
   with pytest.raises(errors.SetAttributeFrozenModuleError,
                      match='anything'):
     Later().init(KEY, X3)
+
+
+# -- (no flax issue found) arrays in non-native byte order through msgpack -------
+
+
+_FOREIGN = {'f32': (np.arange(4) / 3).astype('>f4'),
+            'i16': np.arange(-2, 2, dtype='>i2'),
+            'c64': np.array([1 + 2j, -3j], dtype='>c8'),
+            'scalar': np.array(1.5, dtype='>f8')[()]}
+
+
+def test_big_endian_arrays_come_back_wrong_from_linen():
+  restored = fser.msgpack_restore(fser.msgpack_serialize(_FOREIGN))
+  assert not np.array_equal(restored['f32'], _FOREIGN['f32'])
+  assert not np.array_equal(restored['i16'], _FOREIGN['i16'])
+
+
+def test_big_endian_arrays_round_trip_by_value():
+  """The values (not the foreign bytes) are written; native arrays are
+  written byte for byte as Linen writes them."""
+  restored = lser.msgpack_restore(lser.msgpack_serialize(_FOREIGN))
+  for name, original in _FOREIGN.items():
+    assert restored[name].dtype == original.dtype.newbyteorder('=')
+    np.testing.assert_array_equal(restored[name], original)
+  native = {k: v.astype(v.dtype.newbyteorder('='))
+            for k, v in _FOREIGN.items()}
+  assert lser.msgpack_serialize(native) == fser.msgpack_serialize(native)
+  assert lser.msgpack_serialize(_FOREIGN) == fser.msgpack_serialize(native)
