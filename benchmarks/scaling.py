@@ -30,11 +30,15 @@ TFLOP per step (6 N T + 12 L d S T, all chips), XLA's estimated step seconds
 (its cost model; n/a when it gives none) and the MFU that estimate implies
 against the chip's peak bf16 FLOP/s (``aot.CHIPS``), compile seconds.
 
-``--sweep`` (one size and slice; each library and policy) searches the
-largest multiple of ``--sweep_step`` layers the compiler fits, starting from
-a count whose parameters and AdamW state alone exceed the HBM: refusals come
-back in seconds and their "needs X GiB" locate the limit, so mostly only
-the answer compiles in full (``aot.largest_fitting``).
+``--sweep`` (one size and topology; each sharding, library and policy)
+searches the largest multiple of ``--sweep_step`` layers the compiler fits,
+starting from a count whose parameters and AdamW state alone, split as the
+sharding splits them (``layouts.state_split``), exceed the HBM: refusals
+come back in seconds and their "needs X GiB" locate the limit, so mostly
+only the answer compiles in full (``aot.largest_fitting``). Across slices
+(``--slices=2xv5p:4x4x8 --sharding=dcn_fsdp,stage_fsdp``) each row also
+gives the DCN and ICI bytes per step of the largest program that fits;
+``stage_fsdp`` needs a step that is a multiple of the slice count.
 
 Precision (``--precision=f32,bf16``): ``f32`` computes in float32; ``bf16``
 computes in bfloat16 with float32 parameters, optimizer state and loss. The
@@ -53,6 +57,9 @@ bf16 rows run the model file against a namespace whose layer classes
   python -m benchmarks.scaling --sizes=125m --slices=v5e:2x2 --policies=full
   python -m benchmarks.scaling --sweep --sizes=1b --slices=v5e:4x4 \
       --chip_batch=4 --policies=none,full,named,nested,offload
+  python -m benchmarks.scaling --sweep --sizes=8b --slices=2xv5p:4x4x8 \
+      --sharding=dcn_fsdp,stage_fsdp --policies=full --libraries=liftmods \
+      --chip_batch=4 --sweep_step=16
 """
 import contextlib
 import dataclasses
@@ -70,6 +77,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from benchmarks import aot
+from benchmarks.layouts import SHARDINGS
+from benchmarks import layouts
 from benchmarks.models import lm_model_module
 import liftmods as lnn
 from liftmods.sharded_init import mesh_shardings
@@ -81,21 +90,6 @@ SIZES = {  # vocab, seq, layers, heads, d_model
     '1b': (32768, 2048, 20, 16, 2048),
     '8b': (32768, 2048, 40, 32, 4096),
     '70b': (32768, 2048, 88, 64, 8192),
-}
-SHARDINGS = {  # mesh axes, logical rules
-    'data': ({'data': -1}, (('batch', 'data'),)),
-    'fsdp': ({'data': -1}, (('batch', 'data'), ('embed', 'data'))),
-    'fsdp_tp': ({'data': -1, 'model': 4},
-                (('batch', 'data'), ('embed', 'data'), ('heads', 'model'),
-                 ('mlp', 'model'), ('vocab', 'model'))),
-    # Several slices (size 0: one per slice; on one slice, 1): data
-    # parallel across slices, FSDP within each ...
-    'dcn_fsdp': ({'slice': 0, 'data': -1},
-                 (('batch', ('slice', 'data')), ('embed', 'data'))),
-    # ... or one pipeline stage per slice (liftmods' nn.Pipeline), FSDP
-    # within each.
-    'stage_fsdp': ({'stage': 0, 'data': -1},
-                   (('batch', 'data'), ('embed', 'data'), ('layers', 'stage'))),
 }
 POLICIES = ('none', 'full', 'named', 'nested', 'offload', 'nested_offload')
 LINEN_POLICIES = ('none', 'full', 'named', 'nested')
@@ -130,9 +124,9 @@ flags.DEFINE_bool('full', False, 'every size x slice x policy (long)')
 flags.DEFINE_list('sizes', [], f'model sizes from {list(SIZES)}')
 flags.DEFINE_list('slices', [], 'TPU topologies, e.g. v5e:4x4')
 flags.DEFINE_list('policies', [], f'stack policies from {POLICIES}')
-flags.DEFINE_string('sharding', 'fsdp', f'one of {list(SHARDINGS)}; '
-                    'dcn_fsdp and stage_fsdp span the slices of a topology '
-                    'such as 2xv5e:4x4')
+flags.DEFINE_string('sharding', 'fsdp', f'one or more (comma-separated) of '
+                    f'{list(SHARDINGS)}; dcn_fsdp and stage_fsdp span the '
+                    'slices of a topology such as 2xv5e:4x4')
 flags.DEFINE_integer('pipeline_micro', 8, 'microbatches of stage_fsdp')
 flags.DEFINE_string('pipeline_mode', 'gpipe', 'nn.Pipeline mode of '
                     'stage_fsdp (gpipe, 1f1b, zero_bubble)')
@@ -146,19 +140,25 @@ flags.DEFINE_list('libraries', ['liftmods', 'linen'], 'liftmods and/or linen')
 flags.DEFINE_list('precision', ['f32'], f'compute precisions from {PRECISIONS} '
                   '(with --sizes); bf16 keeps f32 parameters, optimizer state '
                   'and loss')
-flags.DEFINE_bool('sweep', False, 'per library and stack policy, search the '
-                  'largest layer count the compiler fits (with --sizes, '
-                  '--slices; --layers is ignored)')
+flags.DEFINE_bool('sweep', False, 'per sharding, library and stack policy, '
+                  'search the largest layer count the compiler fits (with '
+                  'one --sizes and one --slices entry; --layers is ignored)')
 flags.DEFINE_integer('sweep_step', 8, 'layer-count step of --sweep')
 flags.DEFINE_string('rows', 'default', f'a named row set from {list(ROW_SETS)}'
                     ' (without --sizes/--slices/--policies/--full)')
 F = flags.FLAGS
 
 
+def _flag(name: str, default):
+  """A flag's value once flags are parsed (a binary), else ``default`` (a
+  caller importing this module)."""
+  return F[name].value if F.is_parsed() else default
+
+
 def config(size: str, layers: int = 0) -> lm.Config:
   vocab, seq, size_layers, heads, d_model = SIZES[size]
-  return lm.Config(vocab_size=vocab, max_len=F.seq or seq,
-                   num_layers=layers or F.layers or size_layers,
+  return lm.Config(vocab_size=vocab, max_len=_flag('seq', 0) or seq,
+                   num_layers=layers or _flag('layers', 0) or size_layers,
                    num_heads=heads, d_model=d_model, mlp_ratio=4,
                    dropout_rate=0.0)
 
@@ -468,6 +468,23 @@ def format_row(row: Row) -> str:
   return '| ' + ' | '.join(str(c) for c in cells) + ' |'
 
 
+def shardings(spec: str) -> list[str]:
+  """The shardings of ``--sharding`` ('fsdp' or 'dcn_fsdp,stage_fsdp').
+
+  Args:
+    spec: comma-separated names from ``SHARDINGS``.
+  """
+  names = [n.strip() for n in spec.split(',') if n.strip()]
+  for name in names:
+    if name not in SHARDINGS:
+      raise app.UsageError(f'--sharding={spec}: {name!r} is not one of '
+                           f'{list(SHARDINGS)}')
+  if not names:
+    raise app.UsageError(f'--sharding={spec!r}: name at least one of '
+                         f'{list(SHARDINGS)}')
+  return names
+
+
 def plan():
   """``compile_row`` keyword arguments of every row."""
   libraries = F.libraries
@@ -476,9 +493,10 @@ def plan():
     if p not in PRECISIONS:
       raise app.UsageError(f'--precision={p}: expected one of {PRECISIONS}')
   if F.sizes or F.slices or F.policies:
-    combos = [(s, t, F.sharding, F.chip_batch, tuple(F.policies or POLICIES),
+    combos = [(s, t, sh, F.chip_batch, tuple(F.policies or POLICIES),
                precisions, F.layers)
-              for s in (F.sizes or ['125m']) for t in (F.slices or ['v5e:4x4'])]
+              for s in (F.sizes or ['125m']) for t in (F.slices or ['v5e:4x4'])
+              for sh in shardings(F.sharding)]
   elif F.full:
     combos = [(s, t, sh, 1, POLICIES, precisions, F.layers) for s in SIZES
               for t in FULL_SLICES for sh in SHARDINGS]
@@ -532,14 +550,17 @@ def init_sharded_report(size: str, topology: str):
         ' MiB)')
 
 
-def sweep_start(size: str, topology: str, step: int) -> int:
+def sweep_start(size: str, topology: str, step: int,
+                sharding: str = 'fsdp') -> int:
   """A layer count the compiler surely refuses: the smallest multiple of
-  ``step`` at which the f32 parameters and AdamW moments alone, spread
-  evenly over the slice's chips, exceed a chip's HBM."""
+  ``step`` at which the f32 parameters and AdamW moments alone, split as
+  finely as ``sharding`` splits any parameter over the chips of
+  ``topology`` (``layouts.state_split``), exceed a chip's HBM."""
   chips = len(aot.topology_devices(topology))
+  split = layouts.state_split(sharding, chips, aot.split_slices(topology)[1])
   hbm = aot.chip(topology)['hbm_gib'] * aot.GIB
   layers = step
-  while 3 * 4 * n_params(config(size, layers)) / chips <= hbm:
+  while 3 * 4 * n_params(config(size, layers)) / split <= hbm:
     layers += step
   return layers
 
@@ -549,59 +570,59 @@ def sweep_probe(spec):
   printed as it comes."""
   def probe(layers):
     report = compile_row(**dict(spec, layers=layers)).report
-    print(f'  {report.label}: {report.verdict()} ({report.compile_s:.0f} s)',
-          flush=True)
+    line = f'  {report.label}: {report.verdict()} ({report.compile_s:.0f} s)'
+    if report.traffic is not None:
+      line += (f'; DCN {report.network_mib("dcn"):,.1f} MiB, ICI '
+               f'{report.network_mib("ici"):,.1f} MiB per chip per step')
+    print(line, flush=True)
     return report
 
   return probe
 
 
-SWEEP_HEADER = ('| library | stack | precision | largest fitting layers | '
-                'parameters (B) | peak MiB | first refused layers | needs '
-                '(GiB of usable) | compiles (fitting) | compile s |')
-
-
-def compile_seconds(reports) -> float:
-  return sum(r.compile_s for r in reports.values())
-
-
-def format_sweep(spec, reports) -> str:
-  """One table row of the search ``reports`` ({layers: Report})."""
-  fits, refused = aot.fit_bounds(reports)
-  cells = [spec['library'], spec['policy'], spec['precision']]
-  if fits:
-    cells += [fits, f'{n_params(config(spec["size"], fits)) / 1e9:.2f}',
-              f'{reports[fits].peak / aot.MIB:,.0f}']
-  else:
-    cells += [f'fewer than {F.sweep_step}', '-', '-']
-  top = reports.get(refused)
-  cells += [refused or '-', 'n/a' if top is None or top.needs_gib is None
-            else f'{top.needs_gib:.2f} of {top.available_gib:.2f}']
-  cells += [f'{len(reports)} ({sum(r.fits for r in reports.values())})',
-            f'{compile_seconds(reports):,.0f}']
-  return '| ' + ' | '.join(str(c) for c in cells) + ' |'
+def sweep_specs():
+  """The rows of ``plan()`` that ``--sweep`` searches; says which it skips
+  and refuses a layer step that a sharding cannot lay out."""
+  specs = []
+  for spec in plan():
+    why = layouts.sweep_skip(spec)
+    if why:
+      print(f'skipped: {spec["sharding"]} {spec["library"]} {spec["policy"]}'
+            f': {why}')
+      continue
+    try:
+      layouts.check_sweep_step(spec['sharding'], spec['topology'],
+                               F.sweep_step)
+    except ValueError as e:
+      raise app.UsageError(str(e)) from e
+    specs.append(spec)
+  return specs
 
 
 def sweep_main():
-  """``--sweep``: for each row of ``plan()``, the largest multiple of
-  ``--sweep_step`` layers that the compiler fits, then one table."""
+  """``--sweep``: for each row of ``plan()`` (each sharding, library and
+  policy), the largest multiple of ``--sweep_step`` layers that the
+  compiler fits, then one table."""
   if len(F.sizes) != 1 or len(F.slices) != 1:
     raise app.UsageError('--sweep takes one --sizes and one --slices entry')
   (size,), (topology,), step = F.sizes, F.slices, F.sweep_step
-  first = sweep_start(size, topology, step)
-  rows, seconds = [], 0.0
-  for spec in plan():
-    if spec['library'] == 'linen' and spec['policy'] == 'nested':
-      continue  # remat_scan: not compiled (see compile_row)
-    reports = aot.largest_fitting(sweep_probe(spec), step, first)
-    rows.append(format_sweep(spec, reports))
+  rows, seconds, starts = [], 0.0, {}
+  for spec in sweep_specs():
+    sharding = spec['sharding']
+    if sharding not in starts:
+      starts[sharding] = sweep_start(size, topology, step, sharding)
+    reports = aot.largest_fitting(sweep_probe(spec), step, starts[sharding])
+    rows.append(layouts.format_sweep(spec, reports, step,
+                                     lambda n: n_params(config(size, n))))
     print(rows[-1], flush=True)  # kept if a long search is stopped later
-    seconds += compile_seconds(reports)
+    seconds += sum(r.compile_s for r in reports.values())
+  pipe = (f'; stage_fsdp: {F.pipeline_mode}, {F.pipeline_micro} microbatches'
+          if 'stage_fsdp' in shardings(F.sharding) else '')
   print(f'\nLargest fitting layer count (steps of {step}), {size} width on '
-        f'{topology}, {F.sharding}, {F.chip_batch} sequences per chip; peak '
-        'MiB per device at that count.')
-  print(SWEEP_HEADER)
-  print('|' + '---|' * 10)
+        f'{topology}, {F.chip_batch} sequences per chip{pipe}; per device '
+        'at that count: peak and temp MiB, MiB per step over DCN and ICI.')
+  print(layouts.SWEEP_HEADER)
+  print('|' + '---|' * 14)
   print('\n'.join(rows))
   print(f'\nTotal compile time {seconds:,.0f} s.')
 

@@ -251,3 +251,87 @@ def test_traffic_refuses_a_slice_map_of_another_device_count():
   with pytest.raises(ValueError, match=r'runs on 8 devices; slice_of names '
                      r'12 devices in 2 slices'):
     traffic.traffic(GLOBAL_HLO, [0] * 6 + [1] * 6)
+
+
+# -- the sweep across slices (benchmarks/layouts.py) ---------------------------
+
+from benchmarks import layouts  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+@pytest.mark.parametrize('sharding,sizes,split', [
+    # two slices of 128 chips
+    ('dcn_fsdp', {'slice': 2, 'data': 128}, 128),  # a replica per slice
+    ('stage_fsdp', {'stage': 2, 'data': 128}, 256),  # half the layers each
+    ('fsdp', {'data': 256}, 256),
+    ('fsdp_tp', {'data': 64, 'model': 4}, 256),
+    ('data', {'data': 256}, 1),
+])
+def test_state_split_counts_only_the_axes_parameters_are_split_over(
+    sharding, sizes, split):
+  assert layouts.mesh_sizes(sharding, 256, 2) == sizes
+  assert layouts.state_split(sharding, 256, 2) == split
+
+
+def test_one_slice_layouts_keep_a_size_one_slice_axis():
+  assert layouts.mesh_sizes('dcn_fsdp', 16, 1) == {'slice': 1, 'data': 16}
+  assert layouts.state_split('stage_fsdp', 16, 1) == 16
+  with pytest.raises(aot.MeshTopologyError, match=r"sharding 'fsdp_tp': mesh "
+                     r"\{'data': -1, 'model': 4\} cannot use 6 chips"):
+    layouts.mesh_sizes('fsdp_tp', 6, 1)
+  with pytest.raises(ValueError, match=r"sharding 'pipe': expected one of "
+                     r"\['data', 'fsdp'"):
+    layouts.state_split('pipe', 16, 1)
+
+
+def test_sweep_step_must_divide_into_one_stage_per_slice():
+  layouts.check_sweep_step('stage_fsdp', '4xv5p:4x4x8', 16)
+  layouts.check_sweep_step('dcn_fsdp', '4xv5p:4x4x8', 6)  # no stages
+  with pytest.raises(ValueError, match=r'--sweep_step=6: stage_fsdp on '
+                     r'4xv5p:4x4x8 splits the layers over 4 stages \(one per '
+                     r'slice\), so the step must be a multiple of 4\.'):
+    layouts.check_sweep_step('stage_fsdp', '4xv5p:4x4x8', 6)
+  with pytest.raises(ValueError, match='--sweep_step=0: expected at least 1'):
+    layouts.check_sweep_step('fsdp', 'v5e:4x4', 0)
+
+
+def test_sweep_skips_the_rows_linen_cannot_express():
+  row = lambda library, policy, sharding: dict(
+      library=library, policy=policy, sharding=sharding)
+  assert layouts.sweep_skip(row('liftmods', 'nested', 'stage_fsdp')) is None
+  assert layouts.sweep_skip(row('linen', 'full', 'dcn_fsdp')) is None
+  assert 'no pipeline' in layouts.sweep_skip(row('linen', 'full',
+                                                 'stage_fsdp'))
+  assert 'remat_scan' in layouts.sweep_skip(row('linen', 'nested', 'fsdp'))
+
+
+def _fake(layers, fits, temp=0, traffic_table=None, needs=None):
+  if fits:
+    return aot.Report(f'L={layers}', 100.0, argument=2 * aot.MIB, temp=temp,
+                      traffic=traffic_table)
+  return aot.Report(f'L={layers}', 5.0, fits=False, needs_gib=needs,
+                    available_gib=95.74)
+
+
+def test_sweep_row_gives_the_networks_of_the_largest_fitting_program():
+  spec = dict(sharding='dcn_fsdp', library='liftmods', policy='full',
+              precision='f32')
+  big = {('dcn', 'all-reduce'): 3 * aot.MIB, ('ici', 'all-gather'): aot.MIB,
+         ('ici', 'all-reduce'): aot.MIB / 2}
+  reports = {5408: _fake(5408, False, needs=900.0),
+             560: _fake(560, False, needs=96.5),
+             544: _fake(544, True, temp=10 * aot.MIB, traffic_table=big),
+             512: _fake(512, True, temp=aot.MIB,
+                        traffic_table={('dcn', 'all-reduce'): aot.MIB})}
+  row = layouts.format_sweep(spec, reports, 16, lambda n: n * 1e8)
+  assert row == ('| dcn_fsdp | liftmods | full | f32 | 544 | 54.40 | 12 | 10 '
+                 '| 3.0 | 1.5 | 560 | 96.50 of 95.74 | 4 (2) | 210 |')
+  assert row.count('|') == layouts.SWEEP_HEADER.count('|')
+
+
+def test_sweep_row_when_nothing_fits():
+  spec = dict(sharding='stage_fsdp', library='liftmods', policy='none',
+              precision='f32')
+  row = layouts.format_sweep(spec, {5408: _fake(5408, False, needs=900.0),
+                                    16: _fake(16, False)}, 16, lambda n: n)
+  assert row == ('| stage_fsdp | liftmods | none | f32 | fewer than 16 | - | '
+                 '- | - | - | - | 16 | n/a | 2 (0) | 10 |')

@@ -149,3 +149,39 @@ def test_lm_rows_across_slices_keep_dcn_to_what_the_layout_must_carry():
   activations = 2 * 9 * (32 // 8 // 4) * 64 * 256 * 4
   permute = stages.report.traffic['dcn', 'collective-permute']
   assert activations <= permute < 1.01 * activations
+
+
+@needs_libtpu
+def test_sweep_starts_where_each_layout_s_state_alone_overflows():
+  from benchmarks import scaling  # pylint: disable=g-import-not-at-top
+  # Data parallel across two v5p-128 slices keeps a slice's FSDP shard, as
+  # one slice does; a stage per slice splits the layers over all 256 chips,
+  # as FSDP over both slices would.
+  one = scaling.sweep_start('8b', 'v5p:4x4x8', 16, 'fsdp')
+  assert scaling.sweep_start('8b', '2xv5p:4x4x8', 16, 'dcn_fsdp') == one
+  assert scaling.sweep_start('8b', '2xv5p:4x4x8', 16, 'stage_fsdp') == (
+      scaling.sweep_start('8b', '2xv5p:4x4x8', 16, 'fsdp'))
+  # the first multiple of 16 layers whose f32 parameters and two AdamW
+  # moments, over 128 chips, exceed a v5p chip's 95 GiB
+  state = lambda layers: 12 * scaling.n_params(scaling.config('8b', layers))
+  assert state(one - 16) / 128 <= 95 * aot.GIB < state(one) / 128
+
+
+@needs_libtpu
+def test_sweep_probe_reports_each_count_with_its_networks(monkeypatch, capsys):
+  from benchmarks import scaling  # pylint: disable=g-import-not-at-top
+  # A tiny width (vocab, seq, layers, heads, d_model) under the sweep's
+  # probe: one stage per slice of 2xv5e:2x2, GPipe with 4 microbatches.
+  monkeypatch.setitem(scaling.SIZES, 'tiny', (512, 64, 2, 4, 256))
+  spec = dict(size='tiny', topology=TWO, sharding='stage_fsdp',
+              library='liftmods', policy='full', chip_batch=4,
+              precision='f32', layers=0, micro=4, mode='gpipe')
+  report = scaling.sweep_probe(spec)(4)
+  assert report.fits and 'L=4' in report.label
+  # a microbatch (32 / 4 rows of 64 x 256 f32) over a slice's 4 chips,
+  # each way in each of the M + S - 1 = 5 iterations
+  permute = report.traffic['dcn', 'collective-permute']
+  assert 2 * 5 * 2 * 64 * 256 * 4 <= permute < 1.01 * 2 * 5 * 2 * 64 * 256 * 4
+  printed = capsys.readouterr().out
+  assert f'{report.label}: fits' in printed and 'MiB per chip per step' in (
+      printed)
