@@ -421,10 +421,17 @@ class _StackErrors:
         f"({collection!r},)); otherwise do not make it mutable here.")
 
   def wrote(self, updated, held):
+    new = _leaf_paths(updated) - _leaf_paths(held)
+    cols = sorted({path.split("'")[1] for path in new if "'" in path})
+    what = (f'created {", ".join(sorted(new))}, which the stack does not '
+            'hold' if new else f'wrote variables shaped {updated}, but the '
+            f'stack holds {held}')
     return PipelineError(
-        f'Stack at {self.path}: the blocks wrote mutable variables {updated} '
-        f'but the stack holds {held}; a pipelined stack can only update '
-        'variables that already exist (create them in init).')
+        f'Stack at {self.path}: the blocks {what}; a pipelined stack runs '
+        'each layer once per microbatch and can only update variables that '
+        'already exist (create them in init). Sown intermediates cannot be '
+        'collected from a pipelined stack: do not make '
+        f'{", ".join(map(repr, cols)) or "that collection"} mutable here.')
 
   def argument(self, shape, microbatches):
     return PipelineError(
@@ -454,6 +461,14 @@ class _StackErrors:
         f"input of shape {got}, not the microbatch's {want}: pass the batch "
         'to loss_fn as an argument (after params), not in a closure, so '
         'that pipeline.value_and_grad can split it.')
+
+
+def _leaf_paths(treedef) -> set:
+  """The paths of a tree structure's leaves, without the scope index the
+  stack puts first (``['intermediates']['h1'][0]``)."""
+  tree = treedef.unflatten([0] * treedef.num_leaves)
+  return {jax.tree_util.keystr(path[1:])
+          for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def run_schedule(pipeline: Pipeline, layer, policy, c, stacked, keys,

@@ -456,6 +456,35 @@ def test_errors_name_the_problem():
     stack.apply(v, x, method='scan')
 
 
+class Sows(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    self.sow('intermediates', 'h', x)
+    return x + nn.Dense(x.shape[-1])(x)
+
+
+def test_sown_intermediates_are_refused_naming_the_variable():
+  """A pipelined stack cannot collect what its blocks sow (they would
+  create variables inside the loop); the error named tree structures
+  (PyTreeDef(...)), now the variable and the collection not to make
+  mutable. Unmutable, sow is a no-op and the stack runs."""
+  pipe = nn.Pipeline(stages=2, microbatches=2)
+  stack = nn.Stack(Sows, 4, pipeline=pipe)(name='blocks')
+  x = batch(8)
+  v = init(stack, x)
+  with jax.set_mesh(mesh_of(2, 1)):
+    with pytest.raises(nn.PipelineError, match=re.escape(
+        "Stack at /: the blocks created ['intermediates']['h'][0], which "
+        'the stack does not hold;') + '.*' + re.escape(
+            "do not make 'intermediates' mutable here.")):
+      stack.apply(v, x, mutable=['intermediates'])
+    y = jax.jit(stack.apply)(v, x)
+  np.testing.assert_allclose(
+      y, nn.Stack(Sows, 4)().apply(v, x), rtol=0,
+      atol=OUT_RTOL * np.abs(y).max())
+
+
 class Model(nn.Module):
   """An input layer, a pipelined stack of ``block``s, an output layer: the
   1F1B schedule must give every one of them its gradients."""
