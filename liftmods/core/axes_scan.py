@@ -212,6 +212,28 @@ def _check_nothing_broadcast_made(broadcast_in, broadcast_out, explain):
                   created_unchecked=True))
 
 
+def _box_axis(axis: int, box: Any) -> int:
+  """``axis`` counted from the front of the boxed value (which holds the
+  transform's axis): a negative axis names the same dimension of every
+  variable, -1 the last. Linen hands it on as it is, and ``Partitioned``
+  then inserts its name one place before the end, misaligned with the
+  value."""
+  ndim = getattr(getattr(box, 'value', None), 'ndim', None)
+  return axis + ndim if axis < 0 and ndim is not None else axis
+
+
+def add_axis(tree: Any, axis: int, params: dict) -> Any:
+  """``meta.add_axis`` of a transform's variable axis (may be negative)."""
+  return meta.map_axis_meta(
+      lambda box: box.add_axis(_box_axis(axis, box), params), tree)
+
+
+def remove_axis(tree: Any, axis: int, params: dict) -> Any:
+  """``meta.remove_axis`` of a transform's variable axis (may be negative)."""
+  return meta.map_axis_meta(
+      lambda box: box.remove_axis(_box_axis(axis, box), params), tree)
+
+
 def slice_groups(kind, scopes, variable_groups, axes, rng_groups, splits,
                  size, source, metadata_params, explain_axis=None):
   """What one iteration of a loop sees of the packed groups.
@@ -225,7 +247,7 @@ def slice_groups(kind, scopes, variable_groups, axes, rng_groups, splits,
   Returns:
     ``(sliced variable groups, rng groups)``.
   """
-  sliced = tuple(meta.remove_axis(group, axis, metadata_params)
+  sliced = tuple(remove_axis(group, axis, metadata_params)
                  for group, axis in zip(variable_groups, axes))
   check_variable_axes(kind, scopes, sliced, axes, size, source,
                       explain=explain_axis)

@@ -47,8 +47,8 @@ from jax import random
 from liftmods import errors
 from liftmods.core import meta
 from liftmods.core.autodiff import custom_vjp, jvp, value_and_grad, vjp
-from liftmods.core.axes_scan import (check_carry, scan_with_broadcast,
-                                     slice_groups)
+from liftmods.core.axes_scan import (add_axis, check_carry, remove_axis,
+                                     scan_with_broadcast, slice_groups)
 from liftmods.core.filters import in_filter, intersect, is_empty, subtract
 from liftmods.core.frozen_dict import FrozenDict  # pylint: disable=unused-import
 from liftmods.core.layer_scan import layer_scan
@@ -208,7 +208,7 @@ def vmap(fn: Callable[..., Any], variable_axes: Mapping, split_rngs: Mapping,
     scopes = outer_scopes(make_scopes)
     with axis_owner('vmap', scopes[0].path_text):
       variable_groups = tuple(
-          meta.remove_axis(group, axis, metadata_params) if axis is not None
+          remove_axis(group, axis, metadata_params) if axis is not None
           else group for group, axis in zip(variable_groups, var_in_axes))
 
     size, source = infer_axis_size('vmap', 'batch size', 'inputs', in_axes,
@@ -248,7 +248,7 @@ def vmap(fn: Callable[..., Any], variable_axes: Mapping, split_rngs: Mapping,
             variable_groups, rng_groups, args)
     with axis_owner('vmap', scopes[0].path_text):
       out_groups = tuple(
-          meta.add_axis(group, axis, metadata_params) if axis is not None
+          add_axis(group, axis, metadata_params) if axis is not None
           else group for group, axis in zip(out_groups, var_out_axes))
     return y, out_groups
 
@@ -366,7 +366,7 @@ def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable
     broadcast_vars, (carry_vars, c), (ys, scan_out) = looped(
         broadcast_vars, (carry_vars, init), scan_vars, rng_groups, args)
     with axis_owner(_axis_owner, scopes[0].path_text):
-      scan_out = tuple(meta.add_axis(group, axis, metadata_params)
+      scan_out = tuple(add_axis(group, axis, metadata_params)
                        for group, axis in zip(scan_out, var_out_axes))
     return (c, ys), (broadcast_vars, carry_vars) + scan_out
 

@@ -140,3 +140,70 @@ def test_remat_scan_passes_further_arguments_to_every_block(train):
   params = variables['params']
   assert_identical(jax.value_and_grad(loss)(params, ours, train, MASK),
                    jax.value_and_grad(loss)(params, theirs))
+
+
+# -- nn.scan / nn.vmap stacking partitioned variables on a negative axis -------
+# (no flax issue found)
+
+
+def _stacked_last(nn, kind, partitioned=True):
+  """Four Dense layers stacked on the last axis (``variable_axes=-1``: the
+  only axis valid for both the kernel and the bias)."""
+  init = nn.initializers.lecun_normal()
+  if partitioned:
+    init = nn.with_partitioning(init, ('embed', 'mlp'))
+  meta = {nn.PARTITION_NAME: 'layers'}
+
+  class Body(nn.Module):
+    @nn.compact
+    def __call__(self, c, _):
+      return jnp.tanh(nn.Dense(3, kernel_init=init, name='dense')(c)), None
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      if kind == 'scan':
+        return nn.scan(Body, variable_axes={'params': -1}, length=4,
+                       split_rngs={'params': True}, metadata_params=meta,
+                       )(name='layers')(x, None)[0]
+      return nn.vmap(Body, variable_axes={'params': -1}, in_axes=(0, None),
+                     split_rngs={'params': True}, metadata_params=meta,
+                     )(name='layers')(x, None)[0]
+  return Model()
+
+
+def _x_for(kind):
+  return X if kind == 'scan' else normal(1, (4, 2, 3))
+
+
+@pytest.mark.parametrize('kind', ['scan', 'vmap'])
+def test_linen_names_the_negative_stacked_axis_one_place_too_early(kind):
+  model, x = _stacked_last(fnn, kind), _x_for(kind)
+  kernel = model.init(KEY, x)['params']['layers']['dense']['kernel']
+  assert kernel.value.shape == (3, 3, 4)
+  assert kernel.names == ('embed', 'layers', 'mlp')  # misaligned
+  with pytest.raises(AssertionError):
+    model.apply(model.init(KEY, x), x)
+
+
+@pytest.mark.parametrize('kind', ['scan', 'vmap'])
+def test_negative_variable_axis_names_the_stacked_axis(kind):
+  """The layer axis is named where the value has it; values, outputs and
+  gradients equal Linen's for the same model unpartitioned."""
+  ours, x = _stacked_last(lnn, kind), _x_for(kind)
+  variables = ours.init(KEY, x)
+  kernel = variables['params']['layers']['dense']['kernel']
+  assert kernel.value.shape == (3, 3, 4)
+  assert kernel.names == ('embed', 'mlp', 'layers')
+  assert tuple(lnn.get_partition_spec(variables)['params']['layers'][
+      'dense']['kernel']) == ('embed', 'mlp', 'layers')
+  theirs = _stacked_last(fnn, kind, partitioned=False)
+  assert_identical(lnn.unbox(variables), theirs.init(KEY, x))
+
+  def loss(model, params):
+    return jnp.sum(model.apply({'params': params}, x) ** 2)
+  params = lnn.unbox(variables)['params']
+  assert_identical(jax.value_and_grad(lambda p: loss(ours, p))(params),
+                   jax.value_and_grad(lambda p: loss(theirs, p))(params))
+  assert_identical(ours.apply(variables, x), theirs.apply(
+      {'params': params}, x))
