@@ -659,9 +659,10 @@ def checkpoint(fn: Callable[..., Any], variables: Any = True,
           'static_argnums.')
     shifted = jax.tree_util.tree_map(lambda i: i + 2, static_argnums)
     static_kwargs = {k: kwargs.pop(k) for k in static_argnames if k in kwargs}
-    if static_kwargs:  # their positions are not among the positional args
-      shifted = tuple(i for i in jax.tree_util.tree_leaves(shifted)
-                      if i < 2 + len(args))
+    # A static parameter passed by keyword, or left at its default, is not
+    # among the positional args (jax.checkpoint would reject its index).
+    shifted = tuple(i for i in jax.tree_util.tree_leaves(shifted)
+                    if i < 2 + len(args))
 
     @functools.wraps(fn)
     def rematted(variable_groups, rng_groups, *args, **kwargs):

@@ -207,3 +207,35 @@ def test_negative_variable_axis_names_the_stacked_axis(kind):
                    jax.value_and_grad(lambda p: loss(theirs, p))(params))
   assert_identical(ours.apply(variables, x), theirs.apply(
       {'params': params}, x))
+
+
+# -- nn.remat with a static parameter left at its default ----------------------
+# (no flax issue found; jax.checkpoint fails alike, jax-ml/jax#18405)
+
+
+def _remat_flag_block(nn):
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, deterministic: bool = True):
+      x = nn.Dense(3)(x)
+      if not deterministic:
+        x = nn.Dropout(0.5, deterministic=False)(x)
+      return jnp.tanh(x)
+  return nn.remat(Block, static_argnums=(2,))()
+
+
+def test_remat_static_parameter_left_at_its_default():
+  """Linen hands jax.checkpoint a static position past the arguments given
+  (ValueError); liftmods leaves the default in place, giving Linen's
+  results for the call that passes it, gradients included."""
+  with pytest.raises(ValueError, match='static_argnums'):
+    _remat_flag_block(fnn).init(KEY, X)
+
+  ours, theirs = _remat_flag_block(lnn), _remat_flag_block(fnn)
+  variables = ours.init(KEY, X)
+  assert_identical(variables, theirs.init(KEY, X, True))
+  assert_identical(
+      jax.value_and_grad(lambda p: jnp.sum(ours.apply({'params': p}, X)))(
+          variables['params']),
+      jax.value_and_grad(lambda p: jnp.sum(theirs.apply(
+          {'params': p}, X, True)))(variables['params']))
