@@ -8,6 +8,8 @@ documentation recommends, the same model untransformed, or the arithmetic
 written out in JAX. The table of these issues is in
 docs/coming-from-linen.md ("Linen issues that work in liftmods").
 """
+from typing import Any
+
 import flax.linen as fnn
 import jax
 import jax.numpy as jnp
@@ -239,3 +241,60 @@ def test_remat_static_parameter_left_at_its_default():
           variables['params']),
       jax.value_and_grad(lambda p: jnp.sum(theirs.apply(
           {'params': p}, X, True)))(variables['params']))
+
+
+# -- nn.jit of a module holding a jax.Array field -------------------------------
+# (no flax issue found)
+
+
+def _offset_dense(nn):
+  class OffsetDense(nn.Module):
+    offset: Any
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(3)(x) + self.offset
+  return nn.jit(OffsetDense)
+
+
+def test_jit_of_a_module_with_an_array_field():
+  """Linen fingerprints the field by iterating it (TypeError on a scalar
+  array); liftmods keys it by identity. Two offsets give two results, each
+  Linen's for the offset given as a (hashable) Python float."""
+  with pytest.raises(TypeError, match='0-d array'):
+    _offset_dense(fnn)(jnp.float32(1.)).init(KEY, X)
+  for offset in (1., -2.):
+    ours = _offset_dense(lnn)(jnp.float32(offset))
+    reference = _offset_dense(fnn)(offset)
+    variables = ours.init(KEY, X)
+    assert_identical(variables, reference.init(KEY, X))
+    assert_identical(ours.apply(variables, X), reference.apply(variables, X))
+
+
+# -- nn.jit called again under a method interceptor ----------------------------
+# (no flax issue found)
+
+
+def _double_dense_outputs(next_fun, args, kwargs, context):
+  y = next_fun(*args, **kwargs)
+  return y * 2 if type(context.module).__name__ == 'Dense' else y
+
+
+def test_jit_sees_an_interceptor_added_after_the_first_call():
+  """Linen's compile cache ignores the active interceptors: a second call
+  under nn.intercept_methods silently returns the first call's result.
+  liftmods keys the cache on them and returns what the unjitted module
+  computes under the interceptor."""
+  def run(nn, variables, jit=True):
+    model = (nn.jit(nn.Dense) if jit else nn.Dense)(3)
+    plain_y = model.apply(variables, X)
+    with nn.intercept_methods(_double_dense_outputs):
+      return plain_y, model.apply(variables, X)
+
+  variables = lnn.jit(lnn.Dense)(3).init(KEY, X)
+  assert_identical(variables, fnn.jit(fnn.Dense)(3).init(KEY, X))
+  plain_y, intercepted = run(fnn, variables)
+  assert_identical(intercepted, plain_y)  # Linen: the interceptor is lost
+  ours = run(lnn, variables)
+  assert_identical(ours, run(fnn, variables, jit=False))
+  assert_identical(ours[1], 2 * ours[0])
