@@ -83,6 +83,37 @@ def test_2200_branches_creating_different_heads_run(kind):
             variables['params']))
 
 
+def _vmapped_heads(nn, recipe=False):
+  """flax#2200's program: one head per example, chosen by a switch under
+  vmap."""
+  class Multi(nn.Module):
+    def setup(self):
+      self.heads = [nn.Dense(2, name=f'head{k}') for k in range(3)]
+
+    def __call__(self, x, index):
+      branches = [lambda m, x, k=k: m.heads[k](x) for k in range(3)]
+      if recipe and self.is_initializing():
+        for branch in branches:
+          branch(self, x)
+      per_example = nn.vmap(
+          lambda m, i, x: nn.switch(i, branches, m, x),
+          variable_axes={'params': None}, split_rngs={'params': False})
+      return per_example(self, index, x)
+  return Multi()
+
+
+def test_2200_vmapped_switch_over_heads():
+  x, index = normal(2, (4, 3)), jnp.array([0, 1, 2, 1])
+  with pytest.raises(TypeError, match='same'):
+    _vmapped_heads(fnn).init(KEY, x, index)
+  ours, theirs = _vmapped_heads(lnn), _vmapped_heads(fnn, recipe=True)
+  variables = ours.init(KEY, x, index)
+  assert_identical(variables, theirs.init(KEY, x, index))
+  loss = lambda m: lambda p: jnp.sum(m.apply({'params': p}, x, index) ** 2)
+  assert_identical(jax.value_and_grad(loss(ours))(variables['params']),
+                   jax.value_and_grad(loss(theirs))(variables['params']))
+
+
 def test_2200_branches_still_must_agree_on_shapes():
   """A variable two branches create with different shapes cannot be made
   to work: the error names it (Linen: JAX's TypeError)."""
