@@ -17,7 +17,12 @@ soak's worker, or a cases file run by ``multidevice.assert_cases_pass``).
   of ``Block().apply`` on the same parameters: outputs and gradients
   allclose, the same output sharding, and no more per-device flops
   (``cost_analysis``) than the hand-written one. Batches the mesh axes do
-  not divide must raise a ``ValueError`` on both.
+  not divide must raise a ``ValueError`` on both. The block may hold
+  dropout, run in training with a random ``split_rngs`` for its sequence
+  (``False``, ``True`` or one manual axis); the hand-written map folds the
+  key with the shard's index over those axes, as docs/shard_map.md
+  promises. And ``init`` through the map (``split_rngs={'params': False}``)
+  must give the unmapped block's parameters bit for bit.
 - ``explicit``: the ``sharded_init`` family's models, initialized with
   ``init_sharded`` and differentiated on a batch sharded over ``'data'``,
   on an Explicit mesh against the same on an Auto mesh: loss and gradients
@@ -200,7 +205,7 @@ class _null:  # pylint: disable=invalid-name
 BLOCK_FEATURES = {f: False for f in programs.FEATURES}
 BLOCK_FEATURES.update({f: True for f in (
     'dense', 'dense_general', 'layer_norm', 'rms_norm', 'activation',
-    'param', 'submodule', 'conv')})
+    'param', 'submodule', 'conv', 'dropout')})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,12 +218,16 @@ class MapProgram:
   manual: tuple | None  # axis_names (None: all)
   pmean: bool
   batch: int
+  train: bool = False
+  split: bool | str = False  # split_rngs of the 'dropout' sequence
 
 
 def draw_map(c: programs.Chooser) -> MapProgram:
   """A random block, mesh, batch spec and manual axes."""
   gen = programs.Generator(c, BLOCK_FEATURES, max_depth=2)
-  gen.node(c.integer(1, 2), len(programs.INPUT_SHAPE), pure=True,
+  # Not pure, for dropout; BLOCK_FEATURES leaves out the other ops that
+  # write collections, which do not cross this map.
+  gen.node(c.integer(1, 2), len(programs.INPUT_SHAPE), pure=False,
            name='Block')
   mesh = c.integer(0, len(MESHES) - 1)
   axes = MESHES[mesh][1]
@@ -226,9 +235,12 @@ def draw_map(c: programs.Chooser) -> MapProgram:
       a for a in axes if c.boolean(0.6)) or axes[:1]
   usable = axes if manual is None else manual
   batch_axes = tuple(a for a in usable if c.boolean(0.6))
-  return MapProgram('\n\n'.join(gen.classes) + '\n', mesh, c.boolean(0.4),
-                    batch_axes, manual, c.boolean(0.3),
-                    c.weighted([(8, 4), (16, 2), (6, 1)]))
+  explicit, pmean = c.boolean(0.4), c.boolean(0.3)
+  batch = c.weighted([(8, 4), (16, 2), (6, 1)])
+  train = c.boolean(0.5)
+  split = c.choice((False, True) + tuple(sorted(usable)))
+  return MapProgram('\n\n'.join(gen.classes) + '\n', mesh, explicit,
+                    batch_axes, manual, pmean, batch, train, split)
 
 
 def _per_shard(block, prog):
@@ -238,6 +250,49 @@ def _per_shard(block, prog):
       y = y + jax.lax.pmean(y, prog.batch_axes)
     return y
   return fn
+
+
+def _key_split_over(prog, mesh) -> tuple:
+  """The mesh axes the dropout keys differ along (docs/shard_map.md)."""
+  manual = prog.manual or mesh.axis_names
+  if prog.split is True:
+    return tuple(manual)
+  return (prog.split,) if prog.split else ()
+
+
+def _shard_key(key, mesh, axes):
+  """``key`` folded with this shard's row-major index over ``axes``."""
+  if not axes:
+    return key
+  index = 0
+  for name in mesh.axis_names:
+    if name in axes:
+      index = index * mesh.shape[name] + jax.lax.axis_index(name)
+  return jax.random.fold_in(key, index)
+
+
+def _outcome(fn, mesh, *args):
+  """``(outputs, compiled)`` of ``jax.jit(fn)``, or the exception."""
+  try:
+    with jax.set_mesh(mesh):
+      compiled = jax.jit(fn).lower(*args).compile()
+      return compiled(*args), compiled
+  except Exception as e:  # pylint: disable=broad-except
+    return e
+
+
+def _both_raised(a, b):
+  """The verdict when either side raised, else None."""
+  if not isinstance(a, Exception) and not isinstance(b, Exception):
+    return None
+  if isinstance(a, Exception) and isinstance(b, Exception):
+    if isinstance(b, ValueError) and not isinstance(a, ValueError):
+      return 'mismatch', (f'jax.shard_map raised ValueError, liftmods '
+                          f'{type(a).__name__}: {a}')
+    return 'both_raise', f'{type(b).__name__} ({type(a).__name__})'
+  who = 'liftmods' if isinstance(a, Exception) else 'jax.shard_map'
+  err = a if isinstance(a, Exception) else b
+  return 'mismatch', f'only {who} raised {type(err).__name__}: {err}'
 
 
 def check_map(prog: MapProgram) -> tuple:
@@ -250,7 +305,14 @@ def check_map(prog: MapProgram) -> tuple:
   names = set(prog.manual) if prog.manual else set(mesh.axis_names)
   x = jax.random.normal(jax.random.key(42), (prog.batch,) +
                         programs.INPUT_SHAPE[1:])
-  params = block().init(jax.random.key(0), x[:1]).get('params', {})
+  drop_key = jax.random.key(7)
+  split_over = _key_split_over(prog, mesh)
+
+  class Ref(nn.Module):  # the block at the path it has inside Mapped
+
+    @nn.compact
+    def __call__(self, x):
+      return block(train=prog.train, name='block')(x)
 
   class Mapped(nn.Module):
 
@@ -260,43 +322,36 @@ def check_map(prog: MapProgram) -> tuple:
         return per_shard(mdl, x)
       return nn.shard_map(body, mesh, in_specs=spec, out_specs=spec,
                           variable_specs={'params': P()},
-                          axis_names=prog.manual)(block(name='block'), x)
+                          split_rngs={'params': False, 'dropout': prog.split},
+                          axis_names=prog.manual)(
+                              block(train=prog.train, name='block'), x)
+
+  rngs = {'params': jax.random.key(0), 'dropout': drop_key}
+  ref_vars = jax.jit(lambda: Ref().init(rngs, x[:1]))()
+  params = ref_vars.get('params', {})
 
   def ours(p, x):
-    return Mapped().apply({'params': {'block': p}}, x)
+    return Mapped().apply({'params': p}, x, rngs={'dropout': drop_key})
 
   def theirs(p, x):
     if prog.explicit:  # jax.shard_map takes Explicit inputs as they are laid
       x = jax.sharding.reshard(x, spec)
-    body = lambda p, x: per_shard(
-        lambda x: block().apply({'params': p}, x), x)
+    body = lambda p, x: per_shard(lambda x: Ref().apply(
+        {'params': p}, x,
+        rngs={'dropout': _shard_key(drop_key, mesh, split_over)}), x)
     return jax.shard_map(body, mesh=mesh, in_specs=(P(), spec),
                          out_specs=spec, axis_names=names)(p, x)
 
   results = []
   for fn in (ours, theirs):
     loss = lambda p, x, fn=fn: jnp.sum(fn(p, x) ** 2)
-    step = jax.jit(lambda p, x, fn=fn, loss=loss: (
-        fn(p, x), jax.grad(loss, (0, 1))(p, x)))
-    try:
-      with jax.set_mesh(mesh):
-        compiled = step.lower(params, x).compile()
-        out = compiled(params, x)
-    except Exception as e:  # pylint: disable=broad-except
-      results.append(e)
-      continue
-    results.append((out, compiled))
-  a, b = results
-  if isinstance(a, Exception) or isinstance(b, Exception):
-    if isinstance(a, Exception) and isinstance(b, Exception):
-      if isinstance(b, ValueError) and not isinstance(a, ValueError):
-        return 'mismatch', (f'jax.shard_map raised ValueError, liftmods '
-                            f'{type(a).__name__}: {a}')
-      return 'both_raise', f'{type(b).__name__} ({type(a).__name__})'
-    who = 'liftmods' if isinstance(a, Exception) else 'jax.shard_map'
-    err = a if isinstance(a, Exception) else b
-    return 'mismatch', f'only {who} raised {type(err).__name__}: {err}'
-  (out_a, comp_a), (out_b, comp_b) = a, b
+    results.append(_outcome(
+        lambda p, x, fn=fn, loss=loss: (fn(p, x), jax.grad(loss, (0, 1))(
+            p, x)), mesh, params, x))
+  raised = _both_raised(*results)
+  if raised:
+    return raised
+  (out_a, comp_a), (out_b, comp_b) = results
   d = compare.diff_trees(compare._plain(out_b), compare._plain(out_a),  # pylint: disable=protected-access
                          exact=False)
   if d:
@@ -308,6 +363,20 @@ def check_map(prog: MapProgram) -> tuple:
   if flops_a > flops_b * 1.05 + 64:
     return 'mismatch', (f'per-device flops {flops_a:.0f} vs the hand-written '
                         f'{flops_b:.0f}')
+  return _check_map_init(Mapped, ref_vars, rngs, mesh, x)
+
+
+def _check_map_init(mapped, ref_vars, rngs, mesh, x) -> tuple:
+  """``init`` through the map against the unmapped block's, bit for bit."""
+  got = _outcome(lambda: mapped().init(rngs, x), mesh)
+  if isinstance(got, Exception):
+    return 'mismatch', (f'init through nn.shard_map raised '
+                        f'{type(got).__name__}: {got}')
+  d = compare.diff_trees(compare._plain(ref_vars.get('params', {})),  # pylint: disable=protected-access
+                         compare._plain(got[0].get('params', {})),  # pylint: disable=protected-access
+                         exact=True)
+  if d:
+    return 'mismatch', f'init through the map: {d}'
   return 'ok', ''
 
 
