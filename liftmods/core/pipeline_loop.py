@@ -435,8 +435,12 @@ class _Forward:
     x = _select(self.s == 0,
                 _at(buffer, jnp.mod(t, self.layout.microbatches)), arrived)
     x = _select(valid, x, self.fill)
-    y, updated = self.stage(x, self.fixed, r, _at(mutable, r),
-                            _at(self.keys, r), _at(self.per_layer, r))
+    # A microbatch reads the collections earlier ones updated as constants
+    # (as gradient accumulation would, and the training loops do): no
+    # gradient from one microbatch's loss to another's activations.
+    state = tree_map(lax.stop_gradient, _at(mutable, r))
+    y, updated = self.stage(x, self.fixed, r, state, _at(self.keys, r),
+                            _at(self.per_layer, r))
     mutable = tree_map(
         lambda old, new: old.at[r].set(jnp.where(valid, new, old[r])),
         mutable, updated)
