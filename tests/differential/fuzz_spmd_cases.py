@@ -54,3 +54,66 @@ def test_gpipe_on_a_one_stage_mesh_with_a_batch_sharded_over_data_runs(
       mode='gpipe', remat_iterations=False, policy='None', rows=rows,
       sharded=True)
   assert pipeline_family.check(prog) == ('ok', '')
+
+
+def _block(*lines):
+  return ('class Block(nn.Module):\n  train: bool = False\n\n'
+          '  @nn.compact\n  def __call__(self, x):\n' +
+          ''.join(f'    {line}\n' for line in lines) + '    return x\n')
+
+
+DROPOUT = _block('x = nn.Dense(4)(x)',
+                 'x = nn.Dropout(0.5, deterministic=not self.train)(x)')
+BATCH_NORM = _block('x = nn.Dense(4)(x)',
+                    'x = nn.BatchNorm(use_running_average=not self.train, '
+                    'momentum=0.9)(x)')
+SOWS = _block("self.sow('intermediates', 'h1', x)", 'x = nn.Dense(4)(x)')
+
+
+def _program(src, mode='gpipe', **impure):
+  return pipeline_family.Program(
+      src=src, stages=2, microbatches=2, repeats=1, per_chunk=1, mode=mode,
+      remat_iterations=False, policy='None', rows=2, sharded=False,
+      **impure)
+
+
+@pytest.mark.parametrize('mode', ['gpipe', '1f1b'])
+def test_pipeline_family_checks_dropout_against_the_microbatch_loop(mode):
+  """The widened family: a block with dropout in training runs, and equals
+  the unpipelined model run microbatch by microbatch with the same key
+  (docs/pipeline.md)."""
+  prog = _program(DROPOUT, mode, train=True)
+  assert pipeline_family.check(prog) == ('ok', '')
+
+
+def test_pipeline_family_checks_batch_stats_per_microbatch():
+  prog = _program(BATCH_NORM, train=True, mutable=('batch_stats',),
+                  declared=True)
+  assert pipeline_family.check(prog) == ('ok', '')
+
+
+@pytest.mark.parametrize('src,mutable,message', [
+    (BATCH_NORM, ('batch_stats',), "collection 'batch_stats' is mutable"),
+    (SOWS, ('intermediates',),
+     "the blocks created ['intermediates']['h1'][0]")])
+def test_pipeline_family_expects_the_documented_refusals(src, mutable,
+                                                         message):
+  """A mutable collection not declared per_microbatch, and sown
+  intermediates, are refused with the PipelineError docs/pipeline.md
+  describes, while the unpipelined model runs: 'both_raise'."""
+  prog = _program(src, train=True, mutable=mutable)
+  verdict, detail = pipeline_family.check(prog)
+  assert verdict == 'both_raise', detail
+  assert detail.startswith('PipelineError: Stack at /blocks: ' + message)
+  assert pipeline_family.refusal(prog)
+
+
+def test_pipeline_family_draws_impure_blocks():
+  """Seeds 1000..1059 (the soak's) draw every kind of impure program."""
+  drawn = [pipeline_family.draw(harness.RecordingChooser(seed))
+           for seed in range(1000, 1060)]
+  assert any(p.train and 'Dropout' in p.src for p in drawn)
+  assert any(p.declared and 'batch_stats' in p.mutable for p in drawn)
+  assert any(p.mutable and not p.declared for p in drawn)
+  assert any('intermediates' in p.mutable for p in drawn)
+  assert any('state' in p.mutable and p.declared for p in drawn)

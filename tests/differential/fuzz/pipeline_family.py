@@ -1,21 +1,45 @@
 """Pipelined ``nn.Stack`` against the same stack unpipelined (8 devices).
 
 A program is a random row-wise block (``programs.Generator``: layers that
-never mix batch rows), a Dense before and after the stack, and a random
-pipeline: stages ``S`` over a ``('stage', 'data')`` mesh of the 8 devices,
-microbatches ``M``, ``repeats``, schedule (``gpipe``, ``1f1b``,
-``zero_bubble``), ``remat_iterations``, the stack's policy, the rows per
-microbatch, and the batch replicated or sharded over ``'data'``. The loss
-is a mean squared error; GPipe is differentiated with ``jax.value_and_grad``
-and the training schedules with ``nn.pipeline.value_and_grad``. The
-reference is ``jax.value_and_grad`` of the unpipelined model on the same
-parameters (``Pipeline.to_stack_layout``): loss, and every gradient in the
-pipeline's layout, within float32 rounding (relative to each array's
-largest entry, as ``tests/pipeline``). A configuration the pipeline cannot
-run must raise ``ValueError`` (``PipelineError`` is one) at construction
-or call; a hang is a failure.
+never mix batch rows, and, in an impure block, dropout, BatchNorm, sown
+intermediates and a ``state`` variable), a Dense before and after the
+stack, and a random pipeline: stages ``S`` over a ``('stage', 'data')``
+mesh of the 8 devices, microbatches ``M``, ``repeats``, schedule
+(``gpipe``, ``1f1b``, ``zero_bubble``), ``remat_iterations``, the stack's
+policy, the rows per microbatch, and the batch replicated or sharded over
+``'data'``; for an impure block also ``train`` (dropout on, BatchNorm on
+the batch's statistics), which of its collections the step makes mutable
+and whether the pipeline declares them ``per_microbatch``. The loss is a
+mean squared error; GPipe is differentiated with ``jax.value_and_grad``
+and the training schedules with ``nn.pipeline.value_and_grad``, every step
+with a dropout key and, with mutable collections, ``has_aux`` returning
+the updated ones.
+
+The reference is ``jax.value_and_grad`` of the unpipelined model on the
+same parameters (``Pipeline.to_stack_layout``). A pure block, or one with
+``train=False`` and nothing mutable, is compared with the whole batch. Any
+other is compared with what ``docs/pipeline.md`` promises: microbatch
+``m`` (rows ``m, m + M, ...``) equals the unpipelined model on that
+microbatch alone with the same rngs (its dropout keys, its BatchNorm
+statistics), and a ``per_microbatch`` collection is updated once per
+microbatch in microbatch order; so the reference runs the unpipelined
+model on each microbatch in turn, carrying the updated collections, and
+takes the mean of the losses and the gradients. Loss, every gradient and
+every updated collection, in the pipeline's layout, within float32
+rounding (relative to each array's largest entry, as ``tests/pipeline``).
+
+What the pipeline documents that it refuses must be refused with its
+error: a mutable collection not declared ``per_microbatch``
+(``PipelineError`` naming it), and variables the blocks create rather than
+update (sown intermediates: ``PipelineError``, "can only update variables
+that already exist"). Such a program, and a configuration ``nn.Pipeline``
+rejects at construction (``ValueError``), is ``both_raise``: the reference
+runs, the pipeline refuses as documented. Any other exception, or a
+refusal of a program the pipeline should run, is a mismatch; a hang is a
+failure.
 """
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +53,30 @@ RTOL = 2e-5  # of each array's largest entry: float32 rounding of a longer sum
 BLOCK_FEATURES = {f: False for f in programs.FEATURES}
 BLOCK_FEATURES.update({f: True for f in (
     'dense', 'dense_general', 'layer_norm', 'rms_norm', 'activation',
-    'param', 'submodule', 'remat')})
+    'param', 'submodule', 'remat', 'dropout', 'batch_norm', 'sow',
+    'variable')})
+# The collections an impure block may hold besides params, in the order
+# the generator's ops name them.
+STATE = ('batch_stats', 'intermediates', 'state')
 
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-  """A block and a pipeline configuration."""
+  """A block and a pipeline configuration.
+
+  Attributes:
+    src: the block's source (classes ending with ``Block``).
+    stages, microbatches, repeats: the pipeline's ``S``, ``M``, ``R``.
+    per_chunk: layers per stage and repeat.
+    mode: the schedule.
+    remat_iterations: ``Pipeline(remat_iterations=...)``.
+    policy: the stack's policy, as source.
+    rows: rows per microbatch.
+    sharded: the batch is sharded over ``'data'`` (where it divides).
+    train: the block's ``train`` attribute (dropout, BatchNorm).
+    mutable: the collections the step makes mutable.
+    declared: the pipeline declares ``mutable`` as ``per_microbatch``.
+  """
   src: str
   stages: int
   microbatches: int
@@ -45,14 +87,18 @@ class Program:
   policy: str
   rows: int  # rows per microbatch
   sharded: bool
+  train: bool = False
+  mutable: tuple = ()
+  declared: bool = False
 
 
 def draw(c: programs.Chooser) -> Program:
   """A random block and pipeline (valid or not)."""
   gen = programs.Generator(c, BLOCK_FEATURES, max_depth=2)
-  gen.node(c.integer(1, 2), 2, pure=True, name='Block')
+  pure = not c.boolean(0.5)
+  info = gen.node(c.integer(1, 2), 2, pure=pure, name='Block')
   mode = c.choice(['gpipe', '1f1b', 'zero_bubble'])
-  return Program('\n\n'.join(gen.classes) + '\n',
+  prog = Program('\n\n'.join(gen.classes) + '\n',
                  stages=c.choice([2, 1, 4, 8]),
                  microbatches=c.choice([2, 1, 4, 8, 3]),
                  repeats=c.weighted([(1, 3), (2, 1)]),
@@ -60,17 +106,24 @@ def draw(c: programs.Chooser) -> Program:
                  remat_iterations=c.boolean(0.15),
                  policy=c.choice(['None', "'full'"]),
                  rows=c.choice([2, 1, 4, 3]), sharded=c.boolean(0.4))
+  if pure:
+    return prog
+  held = [col for col in STATE if col in info.cols]
+  mutable = tuple(col for col in held if c.boolean(0.5))
+  return dataclasses.replace(prog, train=c.boolean(0.7), mutable=mutable,
+                             declared=bool(mutable) and c.boolean(0.7))
 
 
-def _model(nn, block, length, policy, pipeline):
+def _model(nn, block, length, policy, pipeline, train):
 
   class Model(nn.Module):
 
     @nn.compact
     def __call__(self, x):
       x = nn.Dense(programs.F)(x)
+      given = {'train': True} if train else {}  # (a block may lack it)
       x = nn.Stack(block, length, policy=policy, pipeline=pipeline)(
-          name='blocks')(x)
+          name='blocks', **given)(x)
       return nn.Dense(2)(x)
 
   return Model()
@@ -81,6 +134,82 @@ def _relayout(tree, move):
   if 'blocks' not in tree:
     return tree
   return {**tree, 'blocks': move(dict(tree['blocks']))}
+
+
+def _relayout_all(collections, move):
+  return {col: _relayout(dict(tree), move)
+          for col, tree in collections.items()}
+
+
+def refusal(prog: Program) -> str:
+  """A regex of the documented error the pipeline must raise for
+  ``prog``, or '' when it must run: a stack policy with
+  ``remat_iterations``; a mutable collection not declared
+  ``per_microbatch``; sown intermediates (created, not updated). With
+  several, the pipeline may name any of them first."""
+  if prog.policy != 'None' and prog.remat_iterations:
+    return 'a stack policy on top would recompute every layer twice'
+  found = []
+  if set(prog.mutable) - {'intermediates'} and not prog.declared:
+    found.append("collection '[a-z_]+' is mutable")
+  if 'intermediates' in prog.mutable:
+    found.append('can only update variables that already exist')
+  return '|'.join(found)
+
+
+def _loss_of(model, prog):
+  """The step's loss: ``(p, state, x, y) -> loss`` (``(loss, updated)``
+  with mutable collections)."""
+  rngs = {'dropout': jax.random.key(3)}
+
+  def loss_fn(p, state, x, y):
+    out = model.apply({'params': p, **state}, x, rngs=rngs,
+                      mutable=list(prog.mutable) or False)
+    if not prog.mutable:
+      return jnp.mean((out - y) ** 2)
+    out, updated = out
+    return jnp.mean((out - y) ** 2), updated
+
+  return loss_fn
+
+
+def _reference(plain, state, prog, params, x, y):
+  """``(loss, grads, updated)`` of the unpipelined model: on the whole
+  batch where that is what the pipeline equals, else microbatch by
+  microbatch (module docstring)."""
+  has_aux = bool(prog.mutable)
+  step = jax.jit(jax.value_and_grad(_loss_of(plain, prog), has_aux=has_aux))
+  if not (prog.train or prog.mutable):
+    loss, grads = step(params, state, x, y)
+    return loss, grads, {}
+  m = prog.microbatches
+  total, grads, updated = 0., None, {}
+  for i in range(m):
+    loss, g = step(params, state, x[i::m], y[i::m])
+    if has_aux:
+      loss, updated = loss
+      state = {**state, **updated}
+    total = total + loss / m
+    g = jax.tree_util.tree_map(lambda a: a / m, g)
+    grads = g if grads is None else jax.tree_util.tree_map(jnp.add, grads, g)
+  return total, grads, updated
+
+
+def _close(got, want):
+  """'' when ``got`` equals ``want`` to float32 rounding, else what
+  differs."""
+  flat = jax.tree_util.tree_flatten_with_path(want)[0]
+  leaves = jax.tree_util.tree_leaves(got)
+  if len(leaves) != len(flat):
+    return 'trees differ'
+  for (path, r), g in zip(flat, leaves):
+    r, g = np.asarray(r), np.asarray(g)
+    if r.shape != g.shape or not np.isfinite(g).all() or (
+        np.abs(g - r).max(initial=0) > RTOL * max(np.abs(r).max(initial=0),
+                                                  1e-3)):
+      return (f'{jax.tree_util.keystr(path)} differs by '
+              f'{np.abs(g - r).max(initial=0):.3g}')
+  return ''
 
 
 def check(prog: Program) -> tuple:
@@ -94,41 +223,64 @@ def check(prog: Program) -> tuple:
   rows = prog.rows * prog.microbatches
   x = jax.random.normal(jax.random.key(1), (rows, programs.F))
   y = jax.random.normal(jax.random.key(2), (rows, 2))
-  plain = _model(nn, block, length, policy, None)
-  params = plain.init(jax.random.key(0), x)['params']
-
-  def loss_of(model):
-    return lambda p, x, y: jnp.mean((model.apply({'params': p}, x) - y) ** 2)
-
-  ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss_of(plain)))(
-      params, x, y)
+  plain = _model(nn, block, length, policy, None, prog.train)
+  variables = dict(plain.init({'params': jax.random.key(0),
+                               'dropout': jax.random.key(4)}, x))
+  params = variables.pop('params')
+  variables.pop('intermediates', None)  # sown by init; the step sows anew
+  try:
+    ref_loss, ref_grads, ref_updated = _reference(plain, variables, prog,
+                                                  params, x, y)
+    ref_error = None
+  except Exception as e:  # pylint: disable=broad-except
+    ref_error = e  # (BatchNorm on batch statistics, batch_stats immutable)
+  expected = refusal(prog)
   try:
     pipe = nn.Pipeline(stages=prog.stages, microbatches=prog.microbatches,
                        repeats=prog.repeats, mode=prog.mode,
-                       remat_iterations=prog.remat_iterations)
-    model = _model(nn, block, length, policy, pipe)
-    p = _relayout(params, pipe.to_pipeline_layout)
-    grad_fn = (jax.value_and_grad if prog.mode == 'gpipe' else
-               nn.pipeline.value_and_grad)
+                       remat_iterations=prog.remat_iterations,
+                       per_microbatch=prog.mutable if prog.declared else ())
+  except ValueError as e:  # a configuration the constructor documents
+    return 'both_raise', f'{type(e).__name__}: {str(e)[:80]}'
+  model = _model(nn, block, length, policy, pipe, prog.train)
+  p = _relayout(params, pipe.to_pipeline_layout)
+  state = _relayout_all(variables, pipe.to_pipeline_layout)
+  grad_fn = (jax.value_and_grad if prog.mode == 'gpipe' else
+             nn.pipeline.value_and_grad)
+  try:
     with jax.set_mesh(mesh):
       if prog.sharded and rows % (8 // prog.stages) == 0:
         x = jax.device_put(x, NamedSharding(mesh, P('data')))
         y = jax.device_put(y, NamedSharding(mesh, P('data')))
-      loss, grads = jax.jit(grad_fn(loss_of(model)))(p, x, y)
-  except ValueError as e:
-    return 'both_raise', f'{type(e).__name__}: {str(e)[:80]}'
+      loss_fn = _loss_of(model, prog)
+      loss, grads = jax.jit(grad_fn(
+          lambda p, x, y: loss_fn(p, state, x, y),
+          has_aux=bool(prog.mutable)))(p, x, y)
+  except Exception as e:  # pylint: disable=broad-except
+    said = f'{type(e).__name__}: {str(e)[:80]}'
+    if ref_error is not None and type(e) is type(ref_error):
+      return 'both_raise', said
+    if (ref_error is None and expected and isinstance(e, ValueError) and
+        re.search(expected, str(e))):
+      return 'both_raise', said
+    return 'mismatch', (f'the pipeline raised {type(e).__name__}: {e}\n'
+                        f'unpipelined: {ref_error!r}; documented: '
+                        f'{expected!r}')
+  if ref_error is not None:
+    return 'mismatch', f'ran, but the unpipelined model raised {ref_error!r}'
+  if expected:
+    return 'mismatch', f'ran, but the pipeline documents: {expected}'
+  updated = {}
+  if prog.mutable:
+    loss, updated = loss
+    updated = _relayout_all(updated, pipe.to_stack_layout)
   grads = _relayout(grads, pipe.to_stack_layout)
   if not np.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6):
     return 'mismatch', f'loss {float(loss)} vs unpipelined {float(ref_loss)}'
-  flat = jax.tree_util.tree_flatten_with_path(ref_grads)[0]
-  got = jax.tree_util.tree_leaves(grads)
-  if len(got) != len(flat):
-    return 'mismatch', 'gradient trees differ'
-  for (path, r), g in zip(flat, got):
-    r, g = np.asarray(r), np.asarray(g)
-    if r.shape != g.shape or not np.isfinite(g).all() or (
-        np.abs(g - r).max(initial=0) > RTOL * max(np.abs(r).max(initial=0),
-                                                  1e-3)):
-      return 'mismatch', (f'gradient {jax.tree_util.keystr(path)} differs '
-                          f'by {np.abs(g - r).max(initial=0):.3g}')
+  differs = _close(grads, ref_grads)
+  if differs:
+    return 'mismatch', f'gradient {differs}'
+  differs = _close(updated, ref_updated)
+  if differs:
+    return 'mismatch', f'updated collection {differs}'
   return 'ok', ''
