@@ -8,6 +8,10 @@ submodules, no transforms), a transform, and how the model calls it:
   ``nn.vjp`` and a backward rule that scales the parameter cotangents by
   ``a`` and the input's by ``b``; the reference is ``jax.custom_vjp`` of
   ``Block().apply({'params': p}, x)`` with the same rule (``jax.vjp``).
+- ``custom_vjp_nondiff``: the same with a third argument, a Python float
+  ``s`` the output is scaled by, listed in ``nondiff_argnums`` (Linen counts
+  the module as argument 0, so ``(2,)``); the backward rule receives it
+  first. The reference is ``jax.custom_vjp(..., nondiff_argnums=(2,))``.
 - ``jit``: ``nn.jit(Block)`` called once or twice in a row (the second
   call reuses the same variables); the reference is ``jax.jit`` of the
   unbound apply, applied as often.
@@ -38,6 +42,7 @@ class Program:
   param_scale: float
   input_scale: float
   calls: int
+  nondiff: float = 1.0  # custom_vjp_nondiff: the non-differentiated scale
 
 
 def draw(c: programs.Chooser) -> Program:
@@ -46,9 +51,9 @@ def draw(c: programs.Chooser) -> Program:
   gen.node(c.integer(1, 3), len(programs.INPUT_SHAPE), pure=True,
            name='Block')
   return Program('\n\n'.join(gen.classes) + '\n',
-                 c.choice(['custom_vjp', 'jit']),
+                 c.choice(['custom_vjp', 'jit', 'custom_vjp_nondiff']),
                  c.choice([1.0, 2.0, -0.5, 0.0]), c.choice([1.0, 3.0, 0.0]),
-                 c.choice([1, 2]))
+                 c.choice([1, 2]), c.choice([1.0, 0.5, -2.0]))
 
 
 def _scaled(tree, factor):
@@ -79,9 +84,20 @@ def _lifted_model(nn, block, prog: Program):
         params_t, x_t = vjp_fn(g)
         return _scaled(params_t, a), b * x_t
 
+      if prog.transform == 'custom_vjp_nondiff':
+        return nn.custom_vjp(
+            lambda mdl, x, s: s * f(mdl, x),
+            lambda mdl, x, s: _scaled_fwd(nn.vjp(f, mdl, x), s),
+            lambda s, vjp_fn, g: bwd(vjp_fn, s * g),
+            nondiff_argnums=(2,))(block(name='block'), x, prog.nondiff)
       return nn.custom_vjp(f, fwd, bwd)(block(name='block'), x)
 
   return Model()
+
+
+def _scaled_fwd(primal_and_vjp, s):
+  y, vjp_fn = primal_and_vjp
+  return s * y, vjp_fn
 
 
 def _reference(block, prog: Program):
@@ -100,18 +116,22 @@ def _reference(block, prog: Program):
       return x
     return fn
 
-  @jax.custom_vjp
-  def fn(p, x):
-    return apply(p, x)
-
-  def fwd(p, x):
-    return jax.vjp(apply, p, x)
-
   def bwd(vjp_fn, g):
     params_t, x_t = vjp_fn(g)
     return _scaled(params_t, a), b * x_t
 
-  fn.defvjp(fwd, bwd)
+  if prog.transform == 'custom_vjp_nondiff':
+    scaled = jax.custom_vjp(lambda p, x, s: s * apply(p, x),
+                            nondiff_argnums=(2,))
+    scaled.defvjp(lambda p, x, s: _scaled_fwd(jax.vjp(apply, p, x), s),
+                  lambda s, vjp_fn, g: bwd(vjp_fn, s * g))
+    return lambda p, x: scaled(p, x, prog.nondiff)
+
+  @jax.custom_vjp
+  def fn(p, x):
+    return apply(p, x)
+
+  fn.defvjp(lambda p, x: jax.vjp(apply, p, x), bwd)
   return fn
 
 
