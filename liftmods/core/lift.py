@@ -277,8 +277,8 @@ def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable
     variable_carry: collections threaded through the iterations.
     split_rngs: ``{rng filter: bool}``: which sequences get a different key
       per iteration.
-    in_axes: the scanned axis of each input (``broadcast``: passed whole to
-      every iteration).
+    in_axes: the scanned axis of each input (``broadcast``, or None as in
+      ``vmap``: passed whole to every iteration).
     out_axes: the axis the ``ys`` are stacked on.
     length: the number of iterations, when nothing is scanned.
     reverse: iterate from the end.
@@ -307,6 +307,10 @@ def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable
       raise TypeError(f'scan: variable axes must be ints, got {axis!r}')
   rng_filters, rng_splits = unzip2(split_rngs.items())
   rng_axes = tuple(0 if split else broadcast for split in rng_splits)
+  # None means "not scanned", as in vmap's in_axes (Linen: a pytree error).
+  in_axes = jax.tree_util.tree_map(
+      lambda a: broadcast if a is None else a, in_axes,
+      is_leaf=lambda a: a is None)
 
   def inner(make_scopes, repack_fn, variable_groups, rng_groups, init, *args):
     scopes = outer_scopes(make_scopes)

@@ -329,3 +329,38 @@ def test_jit_sees_an_interceptor_added_after_the_first_call():
   ours = run(lnn, variables)
   assert_identical(ours, run(fnn, variables, jit=False))
   assert_identical(ours[1], 2 * ours[0])
+
+
+# -- nn.scan with None in in_axes, as in vmap ----------------------------------
+# (no flax issue found)
+
+
+def _masked_rnn(nn, not_scanned):
+  class Cell(nn.Module):
+    @nn.compact
+    def __call__(self, c, x, mask):
+      c = jnp.tanh(nn.Dense(3)(c) + x * mask)
+      return c, c
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, c, xs, mask):
+      return nn.scan(Cell, variable_broadcast='params',
+                     split_rngs={'params': False},
+                     in_axes=(0, not_scanned))(name='cell')(c, xs, mask)
+  return Model()
+
+
+def test_scan_in_axes_none_is_not_scanned():
+  """Linen rejects None (a pytree structure error); liftmods reads it as
+  vmap does, giving Linen's results for nn.broadcast, gradients included."""
+  xs, mask = normal(3, (5, 2, 3)), jnp.array([1., 0., 1.])
+  with pytest.raises(ValueError, match='pytree structure'):
+    _masked_rnn(fnn, None).init(KEY, X, xs, mask)
+  ours, theirs = _masked_rnn(lnn, None), _masked_rnn(fnn, fnn.broadcast)
+  variables = ours.init(KEY, X, xs, mask)
+  assert_identical(variables, theirs.init(KEY, X, xs, mask))
+  loss = lambda m: lambda p: jnp.sum(
+      m.apply({'params': p}, X, xs, mask)[1] ** 2)
+  assert_identical(jax.value_and_grad(loss(ours))(variables['params']),
+                   jax.value_and_grad(loss(theirs))(variables['params']))
