@@ -573,7 +573,8 @@ def sweep_probe(spec):
     line = f'  {report.label}: {report.verdict()} ({report.compile_s:.0f} s)'
     if report.traffic is not None:
       line += (f'; DCN {report.network_mib("dcn"):,.1f} MiB, ICI '
-               f'{report.network_mib("ici"):,.1f} MiB per chip per step')
+               f'{report.network_mib("ici"):,.1f} MiB per chip per step ('
+               f'{aot.traffic_lib.summary(report.traffic)})')
     print(line, flush=True)
     return report
 

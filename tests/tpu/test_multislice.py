@@ -185,3 +185,4 @@ def test_sweep_probe_reports_each_count_with_its_networks(monkeypatch, capsys):
   printed = capsys.readouterr().out
   assert f'{report.label}: fits' in printed and 'MiB per chip per step' in (
       printed)
+  assert traffic.summary(report.traffic) in printed  # by collective
