@@ -79,12 +79,25 @@ def _is_box(x) -> bool:
 
 def _mesh_of(mesh):
   if mesh is not None:
-    return mesh
+    return _inside_outer_map(mesh)
   mesh = meta.get_global_mesh()
   if mesh is None:
     raise ValueError('shard_map: no mesh. Pass mesh=..., or call inside '
                      '`with jax.set_mesh(mesh):`.')
   return mesh
+
+
+def _inside_outer_map(mesh):
+  """``mesh``, or the context's abstract mesh when this map is nested in
+  another over the same mesh: JAX wants the mesh whose outer axes are
+  Manual there, and a module written with ``mesh=`` nests unchanged."""
+  context = meta.get_global_mesh()
+  manual = jax.sharding.AxisType.Manual
+  if (context is None or manual not in context.axis_types or
+      tuple(context.axis_names) != tuple(mesh.axis_names) or
+      tuple(context.axis_sizes) != tuple(mesh.axis_sizes)):
+    return mesh
+  return context
 
 
 class _Specs:
