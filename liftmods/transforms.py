@@ -342,6 +342,8 @@ def call_lifted(self: Module, transform: Callable[..., Any],
   state = self._state.export()
   scope_fns = [_scope_fn_for(self, state, f, n, multi_scope, cls)
                for f, n in zip(fns, names)]
+  if kwargs and transform in (lift.vmap, lift.scan):
+    args, kwargs = _required_keywords_to_positions(fns[0], args, kwargs)
   scopes, args, kwargs = get_module_scopes(self, args, kwargs)
   if not multi_scope:
     if len(scopes) != 1:
@@ -351,6 +353,27 @@ def call_lifted(self: Module, transform: Callable[..., Any],
     scopes = scopes[0]
   return transform(*scope_fns, *trafo_args, **trafo_kwargs)(scopes, *args,
                                                             **kwargs)
+
+
+def _required_keywords_to_positions(fn: Callable[..., Any], args: tuple,
+                                    kwargs: dict) -> tuple[tuple, dict]:
+  """Moves keyword arguments for required parameters of ``fn`` (``self``
+  first) to their positions, so that vmap's and scan's ``in_axes`` apply to
+  them (flax#2772). Linen drops every keyword argument of these transforms
+  with a warning, so the call then lacks a required argument and fails;
+  keywords for parameters with a default are still dropped, as in Linen."""
+  try:
+    params = list(inspect.signature(fn).parameters.values())[1:]
+  except (TypeError, ValueError):  # no signature to read
+    return args, kwargs
+  kwargs = dict(kwargs)
+  moved = list(args)
+  for p in params[len(args):]:
+    if (p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD
+        or p.default is not inspect.Parameter.empty or p.name not in kwargs):
+      break
+    moved.append(kwargs.pop(p.name))
+  return tuple(moved), kwargs
 
 
 def method_args(methods: Any, trafo_args: tuple,

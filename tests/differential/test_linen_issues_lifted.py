@@ -364,3 +364,58 @@ def test_scan_in_axes_none_is_not_scanned():
       m.apply({'params': p}, X, xs, mask)[1] ** 2)
   assert_identical(jax.value_and_grad(loss(ours))(variables['params']),
                    jax.value_and_grad(loss(theirs))(variables['params']))
+
+
+# -- flax 2772: a vmapped / scanned module called with keyword arguments -------
+
+
+def _batch_dense(nn):
+  return nn.vmap(nn.Dense, in_axes=0, out_axes=0,
+                 variable_axes={'params': 0}, split_rngs={'params': True})(3)
+
+
+def _keyword_rnn(nn):
+  class Cell(nn.Module):
+    @nn.compact
+    def __call__(self, carry, x, scale=1.):
+      carry = jnp.tanh(nn.Dense(3)(carry) + x * scale)
+      return carry, carry
+  return nn.scan(Cell, variable_broadcast='params',
+                 split_rngs={'params': False})()
+
+
+def test_2772_linen_drops_keyword_arguments_of_vmap_and_scan():
+  """The dropped arguments leave nothing to map over."""
+  x, xs = normal(4, (4, 3)), normal(5, (5, 2, 3))
+  with pytest.warns(RuntimeWarning, match='kwargs are not supported'):
+    with pytest.raises(ValueError, match='axis_size should be specified'):
+      _batch_dense(fnn).init(KEY, inputs=x)
+  with pytest.warns(RuntimeWarning, match='kwargs are not supported'):
+    with pytest.raises(ValueError, match='length should be specified'):
+      _keyword_rnn(fnn).init(KEY, X, x=xs)
+
+
+def test_2772_required_keyword_arguments_take_their_position():
+  """A keyword argument for a required parameter is passed at its position
+  (so in_axes applies to it): variables, outputs and gradients equal
+  Linen's positional call. One with a default is still dropped with
+  Linen's warning."""
+  x, xs = normal(4, (4, 3)), normal(5, (5, 2, 3))
+  variables = _batch_dense(lnn).init(KEY, inputs=x)
+  assert_identical(variables, _batch_dense(fnn).init(KEY, x))
+  loss = lambda m, *a, **k: lambda p: jnp.sum(
+      jax.tree.leaves(m.apply({'params': p}, *a, **k))[-1] ** 2)
+  assert_identical(
+      jax.value_and_grad(loss(_batch_dense(lnn), inputs=x))(
+          variables['params']),
+      jax.value_and_grad(loss(_batch_dense(fnn), x))(variables['params']))
+
+  variables = _keyword_rnn(lnn).init(KEY, X, x=xs)
+  assert_identical(variables, _keyword_rnn(fnn).init(KEY, X, xs))
+  assert_identical(
+      jax.value_and_grad(loss(_keyword_rnn(lnn), X, x=xs))(
+          variables['params']),
+      jax.value_and_grad(loss(_keyword_rnn(fnn), X, xs))(variables['params']))
+  with pytest.warns(RuntimeWarning, match='scale'):
+    ours = _keyword_rnn(lnn).apply(variables, X, xs, scale=2.)
+  assert_identical(ours, _keyword_rnn(fnn).apply(variables, X, xs))
