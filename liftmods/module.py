@@ -80,6 +80,9 @@ def _tracks_post_init(post_init: Callable) -> Callable:
 
   @functools.wraps(post_init)
   def wrapped(self, *args, **kwargs):
+    if args:  # InitVar values, kept for clone() to pass again
+      object.__setattr__(self, '_init_var_values',
+                         dict(zip(_init_var_names(type(self)), args)))
     stack = _post_initializing.__dict__.setdefault('stack', [])
     stack.append(self)
     try:
@@ -89,6 +92,13 @@ def _tracks_post_init(post_init: Callable) -> Callable:
 
   wrapped.tracks_post_init = True
   return wrapped
+
+
+def _init_var_names(cls) -> list[str]:
+  """The ``dataclasses.InitVar`` pseudo-fields of ``cls``, in ``__init__``
+  order (the order ``__post_init__`` receives them)."""
+  return [f.name for f in cls.__dataclass_fields__.values()
+          if f._field_type is dataclasses._FIELD_INITVAR]  # pylint: disable=protected-access
 
 
 class _Unspecified:
@@ -626,7 +636,7 @@ class Module:
       val = _map_modules(adopt, val)
     object.__setattr__(self, name, _freeze_attr(val))
     for sub in queue:
-      sub.__post_init__()
+      sub.__post_init__(*sub.__dict__.get('_init_var_values', {}).values())
 
   def __setattr__(self, name: str, val):
     state = self._state
@@ -772,6 +782,7 @@ class Module:
       The new module, of the same class.
     """
     attrs = {n: _field_value(self, n) for n in self._init_field_names}
+    attrs.update(self.__dict__.get('_init_var_values', {}))
     attrs['parent'] = parent
     attrs.update(updates)
     if _deep_clone is not False:

@@ -7,6 +7,7 @@ result against a reference Linen does compute, or -- where Linen now runs
 the program -- checks that liftmods gives Linen's result. The rows are in
 docs/coming-from-linen.md ("Linen issues that work in liftmods").
 """
+import dataclasses
 import re
 
 import flax.errors
@@ -282,3 +283,55 @@ def test_big_endian_arrays_round_trip_by_value():
             for k, v in _FOREIGN.items()}
   assert lser.msgpack_serialize(native) == fser.msgpack_serialize(native)
   assert lser.msgpack_serialize(_FOREIGN) == fser.msgpack_serialize(native)
+
+
+# -- (no flax issue found) dataclasses.InitVar fields on a Module ----------------
+
+
+def _widened(nn, init_var):
+  if init_var:
+    class Widened(nn.Module):
+      width: dataclasses.InitVar[int] = 1
+
+      def __post_init__(self, width):
+        self.hidden = 2 * width
+        super().__post_init__()
+
+      @nn.compact
+      def __call__(self, x):
+        return nn.Dense(self.hidden)(x)
+  else:
+    class Widened(nn.Module):
+      hidden: int = 2
+
+      @nn.compact
+      def __call__(self, x):
+        return nn.Dense(self.hidden)(x)
+
+  class Outer(nn.Module):
+    def setup(self):
+      self.a = Widened(3) if init_var else Widened(6)
+
+    @nn.compact
+    def __call__(self, x):
+      b = Widened(2, name='b') if init_var else Widened(4, name='b')
+      return self.a(x).sum() + b(x).sum()
+  return Widened(5) if init_var else Widened(10), Outer()
+
+
+def test_init_var_linen_cannot_construct():
+  with pytest.raises(TypeError):
+    _widened(fnn, init_var=True)
+
+
+def test_init_var_reaches_post_init_through_clones():
+  """``init``/``apply`` clone the module (and setup/compact children are
+  clones too): the InitVar value passed at construction is passed again,
+  so the values equal Linen's for the same module with a plain field."""
+  for ours, theirs in zip(_widened(lnn, True), _widened(fnn, False)):
+    variables = ours.init(KEY, X3)
+    assert_identical(variables, theirs.init(KEY, X3))
+    assert_identical(ours.apply(variables, X3), theirs.apply(variables, X3))
+  single, _ = _widened(lnn, True)
+  assert single.clone().hidden == 10
+  assert single.clone(width=1).hidden == 2
