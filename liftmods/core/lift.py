@@ -557,11 +557,15 @@ def _branch_error(kind, scopes, signatures):
           return 'does not create it'
         return 'creates it' if x is None else f'creates it as {x[1]}{list(x[0])}'
 
+      if 'missing' in (a, b):
+        advice = ('All branches must create the same variables; run every '
+                  'branch once during initialization, before the conditional.')
+      else:
+        advice = ('A variable several branches create must have one shape '
+                  'and dtype: give the two another name each, or one shape.')
       return errors.CondBranchVariablesError(
           f'{kind} at {scope.path_text}: variable "{name}" of collection '
-          f'"{col}": branch 0 {show(a)}, branch {index} {show(b)}. All '
-          'branches must create the same variables; run every branch once '
-          'during initialization, before the conditional.')
+          f'"{col}": branch 0 {show(a)}, branch {index} {show(b)}. {advice}')
   return None
 
 
