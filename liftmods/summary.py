@@ -313,19 +313,19 @@ def _call_flops(call: ModuleCall, rngs, vjp: bool) -> int:
     args, kwargs = rebuild(arrays)
     return module.init(rngs, *args, method=call.method, **kwargs)
 
-  def forward(variables, arrays):
+  def forward(variables, apply_rngs, arrays):
     args, kwargs = rebuild(arrays)
     return module.apply(variables, *args, rngs=apply_rngs, method=call.method,
                         mutable=_FLOPS_MUTABLE, **kwargs)
 
-  def backward(variables, arrays):
+  def backward(variables, apply_rngs, arrays):
     # Linen's count: the pullback of the output and the updated state.
-    out, pullback = jax.vjp(forward, variables, arrays)
+    out, pullback = jax.vjp(forward, variables, apply_rngs, arrays)
     return pullback(out)
 
   variables = jax.eval_shape(init, arrays)
   cost = jax.jit(backward if vjp else forward).lower(
-      variables, arrays).cost_analysis()
+      variables, apply_rngs, arrays).cost_analysis()
   if isinstance(cost, (list, tuple)):
     cost = cost[0] if cost else None
   return int(cost.get('flops', 0)) if cost else 0

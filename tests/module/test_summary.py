@@ -452,3 +452,31 @@ def test_layers_wrap_the_methods_linen_wraps():
       assert _wrapped_methods(ours) == _wrapped_methods(theirs), name
       checked += 1
   assert checked > 20
+
+
+def _flops_model(nn):
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+      x = nn.BatchNorm(use_running_average=not train)(nn.Dense(4)(x))
+      x = nn.Dropout(0.5, deterministic=not train)(x)
+      return nn.SelfAttention(num_heads=2)(x[:, None, :])
+  return Model()
+
+
+def test_flops_columns_equal_linens():
+  """Both FLOP columns, row by row, are Linen's: the VJP counts the pullback
+  of the output and the updated state, and the rngs are arguments of the
+  compiled call."""
+  linen = pytest.importorskip('flax.linen')
+  from flax.linen import summary as linen_summary
+  keys = {'params': KEY, 'dropout': jax.random.key(1)}
+
+  def rows(nn, table_fn):
+    table = table_fn(_flops_model(nn), depth=None, show_repeated=False,
+                     compute_flops=True, compute_vjp_flops=True)(keys, X)
+    return [(r.path, r.method, r.flops, r.vjp_flops) for r in table]
+
+  ours = rows(lnn, summary._get_module_table)
+  assert ours == rows(linen, linen_summary._get_module_table)
+  assert len(ours) == 9 and all(r[2] > 0 and r[3] > r[2] for r in ours)
