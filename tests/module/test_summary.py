@@ -436,8 +436,10 @@ def test_layer_helpers_are_not_rows(kwargs):
 
 
 def _wrapped_methods(cls):
+  # dunders aside (Linen on Python 3.13 also wraps dataclasses' __replace__)
   return {k for c in cls.__mro__ for k, v in c.__dict__.items()
-          if getattr(v, 'method_handler_wrapped', False)}
+          if getattr(v, 'method_handler_wrapped', False)
+          and (k == '__call__' or not k.startswith('__'))}
 
 
 def test_layers_wrap_the_methods_linen_wraps():
