@@ -111,7 +111,8 @@ def tabulate(module: Module, rngs: PRNGKey | RNGSequences,
     extra = [name for name, on in (('flops', compute_flops),
                                    ('vjp_flops', compute_vjp_flops)) if on]
     for row in rows:
-      row.extra = [_call_flops(row.call, rngs, name == 'vjp_flops')
+      row.extra = [_call_flops(row.call, rngs, name == 'vjp_flops',
+                               variables)
                    for name in extra]
     try:
       return _render(type(module).__name__, rows, variables, extra,
@@ -252,16 +253,18 @@ def module_table(module: Module, depth: int | None = None,
     rows = [Row(row.call.path, row.call.module.copy(parent=None),
                 row.call.method, _inputs(row.call.args, row.call.kwargs),
                 row.call.outputs, row.own, row.counted,
-                *_row_flops(row.call, rngs, compute_flops, compute_vjp_flops))
+                *_row_flops(row.call, rngs, compute_flops, compute_vjp_flops,
+                            variables))
             for row in _rows(calls, variables, depth, show_repeated)]
     return Table(module, tuple(variables), rows)
 
   return table_fn
 
 
-def _row_flops(call, rngs, forward: bool, vjp: bool) -> tuple[int, int]:
-  return (_call_flops(call, rngs, False) if forward else -1,
-          _call_flops(call, rngs, True) if vjp else -1)
+def _row_flops(call, rngs, forward: bool, vjp: bool,
+               variables) -> tuple[int, int]:
+  return (_call_flops(call, rngs, False, variables) if forward else -1,
+          _call_flops(call, rngs, True, variables) if vjp else -1)
 
 
 def path_variables(path: tuple[str, ...], variables: Mapping) -> dict:
@@ -303,29 +306,51 @@ def module_variables(path: tuple[str, ...], variables: Mapping,
 _FLOPS_MUTABLE = DenyList('intermediates')
 
 
-def _call_flops(call: ModuleCall, rngs, vjp: bool) -> int:
+def _module_arguments(tree) -> list:
+  """The bound modules in ``tree`` (a call's arguments), in leaf order."""
+  return [x for x in jax.tree_util.tree_leaves(
+      tree, is_leaf=lambda x: isinstance(x, Module))
+          if isinstance(x, Module) and x.scope is not None]
+
+
+def _rebound_modules(tree, bound: list, values: list):
+  """``tree`` with the modules of ``bound`` bound anew to ``values``: a
+  module passed as an argument runs, as in Linen, on variables that are
+  inputs of the compiled call but not differentiated."""
+  fresh = {id(m): m.clone(parent=None).bind(v) for m, v in zip(bound, values)}
+  return jax.tree_util.tree_map(lambda x: fresh.get(id(x), x), tree,
+                                is_leaf=lambda x: isinstance(x, Module))
+
+
+def _call_flops(call: ModuleCall, rngs, vjp: bool, recorded) -> int:
   """XLA's FLOP estimate for re-running ``call`` on its own module copy."""
   module = call.module.clone(parent=None, name=None, _deep_clone=True)
   arrays, rebuild = split_arrays((call.args, call.kwargs))
   apply_rngs = rngs if isinstance(rngs, Mapping) else {'params': rngs}
+  bound = _module_arguments((call.args, call.kwargs))
+  bound_vars = [_at_path(recorded, tuple(m.scope.path)) for m in bound]
 
-  def init(arrays):
-    args, kwargs = rebuild(arrays)
+  def inputs(arrays, bound_vars):
+    return _rebound_modules(rebuild(arrays), bound, bound_vars)
+
+  def init(arrays, bound_vars):
+    args, kwargs = inputs(arrays, bound_vars)
     return module.init(rngs, *args, method=call.method, **kwargs)
 
-  def forward(variables, apply_rngs, arrays):
-    args, kwargs = rebuild(arrays)
+  def forward(variables, apply_rngs, arrays, bound_vars):
+    args, kwargs = inputs(arrays, bound_vars)
     return module.apply(variables, *args, rngs=apply_rngs, method=call.method,
                         mutable=_FLOPS_MUTABLE, **kwargs)
 
-  def backward(variables, apply_rngs, arrays):
+  def backward(variables, apply_rngs, arrays, bound_vars):
     # Linen's count: the pullback of the output and the updated state.
-    out, pullback = jax.vjp(forward, variables, apply_rngs, arrays)
+    out, pullback = jax.vjp(
+        lambda *a: forward(*a, bound_vars), variables, apply_rngs, arrays)
     return pullback(out)
 
-  variables = jax.eval_shape(init, arrays)
+  variables = jax.eval_shape(init, arrays, bound_vars)
   cost = jax.jit(backward if vjp else forward).lower(
-      variables, apply_rngs, arrays).cost_analysis()
+      variables, apply_rngs, arrays, bound_vars).cost_analysis()
   if isinstance(cost, (list, tuple)):
     cost = cost[0] if cost else None
   return int(cost.get('flops', 0)) if cost else 0

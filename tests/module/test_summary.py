@@ -482,3 +482,33 @@ def test_flops_columns_equal_linens():
   ours = rows(lnn, summary._get_module_table)
   assert ours == rows(linen, linen_summary._get_module_table)
   assert len(ours) == 9 and all(r[2] > 0 and r[3] > r[2] for r in ours)
+
+
+def _module_argument_model(nn):
+  class Apply(nn.Module):
+    @nn.compact
+    def __call__(self, layer, x):
+      return layer(x)
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return Apply()(nn.Dense(2), x)
+  return Model()
+
+
+def test_flops_of_a_call_taking_a_module_equal_linens():
+  """A module passed as an argument keeps its variables, which are inputs
+  but not differentiated (liftmods raised InvalidRngError here)."""
+  linen = pytest.importorskip('flax.linen')
+  from flax.linen import summary as linen_summary
+
+  def rows(nn, table_fn):
+    table = table_fn(_module_argument_model(nn), depth=None,
+                     show_repeated=False, compute_flops=True,
+                     compute_vjp_flops=True)(KEY, X)
+    return [(r.path, r.flops, r.vjp_flops) for r in table]
+
+  ours = rows(lnn, summary._get_module_table)
+  assert ours == rows(linen, linen_summary._get_module_table)
+  assert [r[0] for r in ours] == [(), ('Apply_0',), ('Dense_0',)]
