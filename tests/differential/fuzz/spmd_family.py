@@ -25,8 +25,10 @@ soak's worker, or a cases file run by ``multidevice.assert_cases_pass``).
   must give the unmapped block's parameters bit for bit.
 - ``explicit``: the ``sharded_init`` family's models, initialized with
   ``init_sharded`` and differentiated on a batch sharded over ``'data'``,
-  on an Explicit mesh against the same on an Auto mesh: loss and gradients
-  allclose, and no more bytes through collectives in the compiled step.
+  on an Explicit (or mixed Explicit and Auto) mesh against the same on an
+  Auto mesh: loss and gradients allclose, and no more bytes through
+  collectives in the compiled step, whose gradients both sides return laid
+  out as their parameters.
 """
 import dataclasses
 import pathlib
@@ -47,7 +49,13 @@ NAMES = ('embed', 'mlp', 'heads', None)
 TARGETS = (None, 'data', 'model', ('data', 'model'), 'x')
 
 
-def _mesh(shape, names, explicit):
+def _mesh(shape, names, explicit, explicit_axes=()):
+  """A mesh whose axes are all Explicit (``explicit``) or Auto, or, given
+  ``explicit_axes``, Explicit on those only."""
+  if explicit_axes:
+    kinds = tuple(AxisType.Explicit if n in explicit_axes else AxisType.Auto
+                  for n in names)
+    return jax.make_mesh(shape, names, axis_types=kinds)
   kind = AxisType.Explicit if explicit else AxisType.Auto
   return jax.make_mesh(shape, names, axis_types=(kind,) * len(names))
 
@@ -63,6 +71,9 @@ class InitProgram:
   mesh: int  # index into MESHES
   explicit: bool
   in_features: int
+  # explicit family: which mesh axes are Explicit on the side compared
+  # with the all-Auto mesh (a mixed mesh when some are not; () all are)
+  explicit_axes: tuple = ()
 
 
 def draw_init(c: programs.Chooser) -> InitProgram:
@@ -391,9 +402,15 @@ def _flops(compiled) -> float:
 
 
 def draw_explicit(c: programs.Chooser) -> InitProgram:
-  """A random model, rules and mesh (the sharded_init family's), run on an
-  Explicit mesh (``explicit`` is ignored: both kinds are run)."""
-  return draw_init(c)
+  """A random model, rules and mesh (the sharded_init family's), run on a
+  mesh whose axes are all Explicit or, a third of the time, some Explicit
+  and the others Auto (``explicit`` is ignored: both meshes are run)."""
+  prog = draw_init(c)
+  names = MESHES[prog.mesh][1]
+  if len(names) == 1 or c.boolean(0.67):
+    return prog
+  chosen = tuple(n for n in names if c.boolean()) or names[:1]
+  return dataclasses.replace(prog, explicit_axes=chosen)
 
 
 _COLLECTIVES = ('all-gather', 'all-reduce', 'reduce-scatter',
@@ -426,16 +443,21 @@ def check_explicit(prog: InitProgram) -> tuple:
   model = _init_model(nn, prog)
   results = {}
   for explicit in (False, True):
-    mesh = _mesh(*MESHES[prog.mesh], explicit)
+    mesh = _mesh(*MESHES[prog.mesh], explicit,
+                 prog.explicit_axes if explicit else ())
     x = jax.random.normal(jax.random.key(1), (8, prog.in_features))
     try:
       with jax.set_mesh(mesh):
         x = jax.device_put(x, NamedSharding(mesh, P('data')))
-        variables, _ = nn.init_sharded(model, mesh, prog.rules,
-                                       warn_unmapped=False)(
-                                           jax.random.key(0), x)
+        variables, shardings = nn.init_sharded(model, mesh, prog.rules,
+                                               warn_unmapped=False)(
+                                                   jax.random.key(0), x)
         loss = lambda p, x: jnp.sum(model.apply({'params': p}, x) ** 2)
-        step = jax.jit(jax.value_and_grad(loss))
+        # The gradients laid out as their parameters, as an update of the
+        # parameters needs them: left free, the Auto step returns some in
+        # another layout and leaves the resharding out of its count.
+        step = jax.jit(jax.value_and_grad(loss), out_shardings=(
+            NamedSharding(mesh, P()), shardings.get('params', {})))
         compiled = step.lower(variables['params'], x).compile()
         out = compiled(variables['params'], x)
     except ValueError as e:
