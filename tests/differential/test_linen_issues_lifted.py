@@ -114,6 +114,30 @@ def test_2200_vmapped_switch_over_heads():
                    jax.value_and_grad(loss(theirs))(variables['params']))
 
 
+def _cond_in_scan(nn, recipe=False):
+  class Body(nn.Module):
+    def setup(self):
+      self.a, self.b = nn.Dense(3), nn.Dense(3)
+
+    def __call__(self, c, p):
+      if recipe and self.is_initializing():
+        self.a(c), self.b(c)
+      return nn.cond(p, lambda m, c: m.a(c), lambda m, c: m.b(c), self, c), c
+  return nn.scan(Body, variable_broadcast='params',
+                 split_rngs={'params': False})()
+
+
+def test_2200_cond_with_different_branches_inside_scan():
+  """Inside a scan body (traced twice by Linen) too: equal to Linen's
+  run-every-branch-first program, rng counters included."""
+  preds = jnp.array([True, False, True])
+  ours, theirs = _cond_in_scan(lnn), _cond_in_scan(fnn, recipe=True)
+  variables = ours.init(KEY, X, preds)
+  assert_identical(variables, theirs.init(KEY, X, preds))
+  assert_identical(ours.apply(variables, X, preds),
+                   theirs.apply(variables, X, preds))
+
+
 def test_2200_branches_still_must_agree_on_shapes():
   """A variable two branches create with different shapes cannot be made
   to work: the error names it (Linen: JAX's TypeError)."""
