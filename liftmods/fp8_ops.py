@@ -42,7 +42,7 @@ from jax import numpy as jnp
 from liftmods import initializers
 from liftmods import jax_private
 from liftmods.jax_private import CAN_USE_EARRAY
-from liftmods.module import Module
+from liftmods.module import Module, nowrap
 
 DType = Any
 
@@ -740,6 +740,7 @@ class Fp8DotGeneralBase(Module):
     self.kernel_scale = self.variable(col, 'kernel_scale', *scale)
     self.output_grad_scale = self.variable(col, 'output_grad_scale', *scale)
 
+  @nowrap
   def _meta_kwargs(self, compute_dtype):
     return dict(lhs_scale=self.input_scale.value,
                 rhs_scale=self.kernel_scale.value,

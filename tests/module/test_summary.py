@@ -450,7 +450,8 @@ def test_layers_wrap_the_methods_linen_wraps():
   for name in dir(linen):
     theirs, ours = getattr(linen, name), getattr(lnn, name, None)
     if (inspect.isclass(ours) and issubclass(ours, Module)
-        and ours.__module__.startswith('liftmods.layers')):
+        and ours.__module__.startswith(('liftmods.layers',
+                                        'liftmods.fp8_ops'))):
       assert _wrapped_methods(ours) == _wrapped_methods(theirs), name
       checked += 1
   assert checked > 20
