@@ -1,12 +1,15 @@
 """Multi-slice plans without libtpu: slice counts in topology names, the
 hybrid mesh's shapes and its errors (pure arithmetic over device counts),
-and the DCN / ICI classifier of ``benchmarks/traffic.py`` on hand-written
-HLO. The same paths compiled for real slices are in tests/tpu."""
+the DCN / ICI classifier of ``benchmarks/traffic.py`` on hand-written
+HLO, and the arithmetic of the sweep across slices
+(``benchmarks/layouts.py``). The same paths compiled for real slices are in
+tests/tpu."""
 import types
 
 import pytest
 
 from benchmarks import aot
+from benchmarks import layouts
 from benchmarks import traffic
 
 
@@ -253,10 +256,7 @@ def test_traffic_refuses_a_slice_map_of_another_device_count():
     traffic.traffic(GLOBAL_HLO, [0] * 6 + [1] * 6)
 
 
-# -- the sweep across slices (benchmarks/layouts.py) ---------------------------
-
-from benchmarks import layouts  # pylint: disable=g-import-not-at-top,wrong-import-position
-
+# -- the sweep across slices (benchmarks/layouts.py) -------------------------
 
 @pytest.mark.parametrize('sharding,sizes,split', [
     # two slices of 128 chips
