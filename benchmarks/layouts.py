@@ -93,9 +93,15 @@ def check_sweep_step(sharding: str, topology: str, step: int):
         f'multiple of {stages}.')
 
 
+NESTED = ('nested', 'nested_offload')  # policies that group across layers
+
+
 def sweep_skip(spec: dict) -> str | None:
   """Why ``--sweep`` does not search the row ``spec`` (a ``compile_row``
   keyword dict), or None when it does."""
+  if spec['sharding'] == 'stage_fsdp' and spec['policy'] in NESTED:
+    return ('nn.Stack refuses a nested policy under a pipeline (its groups '
+            'would cross the stages)')
   if spec['library'] != 'linen':
     return None
   if spec['policy'] == 'nested':

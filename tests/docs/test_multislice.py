@@ -294,14 +294,18 @@ def test_sweep_step_must_divide_into_one_stage_per_slice():
     layouts.check_sweep_step('fsdp', 'v5e:4x4', 0)
 
 
-def test_sweep_skips_the_rows_linen_cannot_express():
+def test_sweep_skips_the_rows_that_cannot_be_built():
   row = lambda library, policy, sharding: dict(
       library=library, policy=policy, sharding=sharding)
-  assert layouts.sweep_skip(row('liftmods', 'nested', 'stage_fsdp')) is None
+  assert layouts.sweep_skip(row('liftmods', 'full', 'stage_fsdp')) is None
   assert layouts.sweep_skip(row('linen', 'full', 'dcn_fsdp')) is None
   assert 'no pipeline' in layouts.sweep_skip(row('linen', 'full',
                                                  'stage_fsdp'))
   assert 'remat_scan' in layouts.sweep_skip(row('linen', 'nested', 'fsdp'))
+  for policy in ('nested', 'nested_offload'):  # groups would cross stages
+    assert 'nested policy under a pipeline' in layouts.sweep_skip(
+        row('liftmods', policy, 'stage_fsdp'))
+  assert layouts.sweep_skip(row('liftmods', 'nested', 'dcn_fsdp')) is None
 
 
 def _fake(layers, fits, temp=0, traffic_table=None, needs=None):
@@ -335,3 +339,18 @@ def test_sweep_row_when_nothing_fits():
                                     16: _fake(16, False)}, 16, lambda n: n)
   assert row == ('| stage_fsdp | liftmods | none | f32 | fewer than 16 | - | '
                  '- | - | - | - | 16 | n/a | 2 (0) | 10 |')
+
+
+def test_the_nested_rows_skipped_under_stages_are_ones_nn_stack_refuses():
+  import liftmods as nn  # pylint: disable=g-import-not-at-top
+
+  class Block(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(4)(x)
+
+  pipe = nn.Pipeline(stages=2, microbatches=2)
+  with pytest.raises(ValueError, match='a nested policy groups layers across '
+                     'the whole stack, which a pipeline splits into stages'):
+    nn.Stack(Block, 4, policy='nested', pipeline=pipe)()
