@@ -149,3 +149,19 @@ def format_sweep(spec: dict, reports: dict, step: int, params) -> str:
   cells += [f'{len(reports)} ({sum(r.fits for r in reports.values())})',
             f'{sum(r.compile_s for r in reports.values()):,.0f}']
   return '| ' + ' | '.join(str(c) for c in cells) + ' |'
+
+
+def format_failed(spec: dict, error: BaseException) -> str:
+  """The table row (``SWEEP_HEADER``) of a search the compiler stopped
+  with an error other than lack of memory: its first line, in the
+  largest-fitting column.
+
+  Args:
+    spec: the row's ``compile_row`` keywords.
+    error: what the compile raised.
+  """
+  first = (str(error).splitlines() or [type(error).__name__])[0]
+  message = f'compile failed: {first[:160]}'.replace('|', '/')
+  cells = [spec['sharding'], spec['library'], spec['policy'],
+           spec['precision'], message] + ['-'] * 9
+  return '| ' + ' | '.join(cells) + ' |'

@@ -612,7 +612,14 @@ def sweep_main():
     sharding = spec['sharding']
     if sharding not in starts:
       starts[sharding] = sweep_start(size, topology, step, sharding)
-    reports = aot.largest_fitting(sweep_probe(spec), step, starts[sharding])
+    try:
+      reports = aot.largest_fitting(sweep_probe(spec), step, starts[sharding])
+    except Exception as e:  # pylint: disable=broad-except
+      # A compiler error other than lack of memory ends this row's search,
+      # not the other rows'.
+      rows.append(layouts.format_failed(spec, e))
+      print(rows[-1], flush=True)
+      continue
     rows.append(layouts.format_sweep(spec, reports, step,
                                      lambda n: n_params(config(size, n))))
     print(rows[-1], flush=True)  # kept if a long search is stopped later

@@ -341,6 +341,18 @@ def test_sweep_row_when_nothing_fits():
                  '- | - | - | - | 16 | n/a | 2 (0) | 10 |')
 
 
+def test_sweep_row_of_a_search_the_compiler_stopped():
+  spec = dict(sharding='stage_fsdp', library='liftmods', policy='offload',
+              precision='f32')
+  error = RuntimeError('INTERNAL: during context [post-optimization]: a | b\n'
+                       'more')
+  row = layouts.format_failed(spec, error)
+  assert row == ('| stage_fsdp | liftmods | offload | f32 | compile failed: '
+                 'INTERNAL: during context [post-optimization]: a / b | - | '
+                 '- | - | - | - | - | - | - | - |')
+  assert row.count('|') == layouts.SWEEP_HEADER.count('|')
+
+
 def test_the_nested_rows_skipped_under_stages_are_ones_nn_stack_refuses():
   import liftmods as nn  # pylint: disable=g-import-not-at-top
 
