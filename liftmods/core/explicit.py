@@ -8,8 +8,8 @@ built-in layers answer for their users with one rule, ``out_spec``:
 
   Every output dimension the activation (the first operand) has keeps the
   activation's sharding; every other output dimension (the weight's
-  features) takes the weight's sharding, less any mesh axis the activation's
-  dimensions already use.
+  features) takes the weight's sharding, unless one of its mesh axes is
+  one the activation's dimensions already use: then it is gathered whole.
 
 The weight's sharding is its type, which on Explicit axes is its logical
 names through the active rules (a logically partitioned box reshards the
@@ -31,6 +31,8 @@ same programs as before.
 >>> out_spec('bm', [('be', P('data', None)), ('em', P('data', 'model'))])
 P('data', 'model')
 >>> out_spec('be', [('bm', P('data', 'model')), ('me', P('model', 'data'))])
+P('data', None)
+>>> out_spec('bm', [('be', P('data', None)), ('em', P(None, ('data', 'model')))])
 P('data', None)
 """
 import functools
@@ -113,7 +115,8 @@ def out_spec(out_labels: Labels,
     for label, entry in zip(labels, spec):
       if label in chosen or label not in out_labels:
         continue
-      kept = tuple(a for a in _axes(entry) if a not in used)
+      axes = _axes(entry)
+      kept = () if used.intersection(axes) else axes
       chosen[label] = kept
       used.update(kept)
   return PartitionSpec(*(_entry(chosen.get(label, ())) for label in

@@ -401,6 +401,16 @@ def _flops(compiled) -> float:
 # -- explicit -------------------------------------------------------------------
 
 
+# The batch of the explicit family's step: 8 rows per device. With one row
+# per device (8 in all) the partitioner on the Auto mesh gathers the
+# activations rather than the weights wherever a row is smaller than a
+# weight shard (seeds 3005, 3061: 388 and 924 bytes where Explicit moves 772
+# and 1436); from 32 rows on both move the same bytes for those programs,
+# and Auto more than Explicit for others (seed 3072 at 512 rows: 13,660
+# against 3,600).
+EXPLICIT_ROWS = 64
+
+
 def draw_explicit(c: programs.Chooser) -> InitProgram:
   """A random model, rules and mesh (the sharded_init family's), run on a
   mesh whose axes are all Explicit or, a third of the time, some Explicit
@@ -445,7 +455,7 @@ def check_explicit(prog: InitProgram) -> tuple:
   for explicit in (False, True):
     mesh = _mesh(*MESHES[prog.mesh], explicit,
                  prog.explicit_axes if explicit else ())
-    x = jax.random.normal(jax.random.key(1), (8, prog.in_features))
+    x = jax.random.normal(jax.random.key(1), (EXPLICIT_ROWS, prog.in_features))
     try:
       with jax.set_mesh(mesh):
         x = jax.device_put(x, NamedSharding(mesh, P('data')))
@@ -473,7 +483,11 @@ def check_explicit(prog: InitProgram) -> tuple:
     err = auto if isinstance(auto, Exception) else explicit
     return 'mismatch', f'only the {who} mesh raised {type(err).__name__}: ' \
         f'{str(err)[:300]}'
-  d = compare.diff_trees(auto[0], explicit[0], exact=False)
+  # The two meshes' programs sum in different orders, and a LayerNorm's
+  # input gradient is a difference of terms as large as its scale's
+  # gradient (seed 2017 at 64 rows: 1e-5 apart on a kernel gradient of 4e-4,
+  # beside a scale gradient of 212): held to ATOL of the largest magnitude.
+  d = compare.diff_trees(auto[0], explicit[0], exact=False, scaled=True)
   if d:
     return 'mismatch', f'values: {d}'
   if explicit[1] > auto[1]:
