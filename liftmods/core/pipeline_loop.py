@@ -39,11 +39,6 @@ from jax.sharding import PartitionSpec
 from liftmods import jax_private
 from liftmods.core import caching, meta
 
-try:
-  from jax.experimental.shard_alike import shard_alike as _shard_alike
-except ImportError:  # JAX 0.12 dropped it
-  _shard_alike = None
-
 tree_map = jax.tree_util.tree_map
 leaves_of = jax.tree_util.tree_leaves
 
@@ -830,23 +825,14 @@ class _OneFOneB:
 
   def start(self, mutable):
     """The loop's carry before the first iteration."""
+    fixed_diff, _ = _inexact(self.fixed)
     return {'arrived': _garbage(self.fill), 'cotangent': _garbage(self.fill),
             'inputs': _repeated(self.fill, self.table.inputs),
             'states': _repeated(_at(mutable, 0), self.table.inputs),
-            'mutable': mutable,
-            'grads': self.stage_sums(_zeros(_inexact(self.fixed)[0])),
-            'outer_grads': self.outer_sums(_zeros(self.outer_diff)),
-            'loss': jnp.zeros(()),
+            'mutable': mutable, 'grads': _zeros(fixed_diff),
+            'outer_grads': _zeros(self.outer_diff), 'loss': jnp.zeros(()),
             'outputs': _repeated(self.fill, self.layout.microbatches
                                  if self.training.has_aux else 0)}
-
-  def stage_sums(self, grads):
-    """The stage's gradient sums laid out as its chunks' variables."""
-    return _laid_out_as(grads, _inexact(self.fixed)[0])
-
-  def outer_sums(self, grads):
-    """The other layers' gradient sums laid out as their parameters."""
-    return _laid_out_as(grads, self.outer_diff)
 
   def result(self, carry):
     return tuple(carry[k] for k in ('outputs', 'mutable', 'grads',
@@ -933,8 +919,7 @@ class _OneFOneB:
         b.micro, y)
     ct = _select(at_head, d_y, carry['cotangent'])
     carry = dict(carry, loss=carry['loss'] + jnp.where(at_head, l_b, 0.),
-                 outer_grads=self.outer_sums(
-                     _added(carry['outer_grads'], d_head, at_head)))
+                 outer_grads=_added(carry['outer_grads'], d_head, at_head))
     return _select(b.ok, ct, _zeros(ct)), carry
 
   def embedded(self, b, d_x, carry):
@@ -943,8 +928,8 @@ class _OneFOneB:
     at_embed = b.ok & self.first & (b.repeat == 0)
     d_embed = lax.cond(at_embed, self.embed_vjp,
                        lambda b, d_x: _zeros(self.outer_diff), b.micro, d_x)
-    return dict(carry, outer_grads=self.outer_sums(
-        _added(carry['outer_grads'], d_embed, at_embed)))
+    return dict(carry, outer_grads=_added(carry['outer_grads'], d_embed,
+                                          at_embed))
 
   def stored(self, slot, carry):
     return _at(carry['inputs'], slot.slot), _at(carry['states'], slot.slot)
@@ -960,8 +945,8 @@ class _OneFOneB:
         lambda x, p: self.run(x, rebuild(p), b.repeat, state)[0], x,
         chunk_diff)
     d_x, d_chunk = pull(ct)
-    carry = dict(carry, grads=self.stage_sums(
-        _added_at(carry['grads'], b.repeat, d_chunk, b.ok)))
+    carry = dict(carry, grads=_added_at(carry['grads'], b.repeat, d_chunk,
+                                        b.ok))
     return d_x, self.embedded(b, d_x, carry)
 
   def iteration(self, carry, rows, kinds):
@@ -1031,19 +1016,8 @@ class _ZeroBubble(_OneFOneB):
         lambda p: self.run(x, rebuild(p), w.repeat, state, self.probes(),
                            jnp.ones((), bool))[2], chunk_diff)
     d_chunk, = pull(_at(carry['cots'], w.cot))
-    return dict(carry, grads=self.stage_sums(
-        _added_at(carry['grads'], w.repeat, d_chunk, w.ok)))
-
-
-def _laid_out_as(sums, params):
-  """``sums`` (gradient sums the training loops carry) sharded over the
-  mesh's Auto axes as ``params``, the variables they are the gradients of.
-  Left to the partitioner, XLA:TPU kept the sums of FSDP-split variables
-  whole on every chip (GPipe's loop, differentiated by JAX, splits them).
-  Without ``shard_alike`` (JAX 0.12) the partitioner decides."""
-  if _shard_alike is None:
-    return sums
-  return tree_map(lambda s, p: _shard_alike(s, p)[0], sums, params)
+    return dict(carry, grads=_added_at(carry['grads'], w.repeat, d_chunk,
+                                       w.ok))
 
 
 def _added(acc, d, ok):

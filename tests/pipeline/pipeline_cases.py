@@ -39,7 +39,6 @@ from jax.sharding import AxisType
 import liftmods as nn
 from benchmarks.pipeline import Annotated  # kernel, bias annotated or not
 from liftmods import errors
-from liftmods.core import pipeline_loop
 
 if jax.device_count() < 8:
   pytest.skip('needs 8 devices: JAX was started before XLA_FLAGS was set '
@@ -923,74 +922,6 @@ def test_collections_carry_no_gradient_between_microbatches(mode):
   np.testing.assert_allclose(loss, total_loss, rtol=1e-5)
   assert_grads_close(grads, total)
   assert_same_arithmetic(updated['sums'], sums)
-
-
-class Wide(nn.Module):
-  """Model at width 24: no activation of the loops has the stack kernels'
-  shape, so a carry of that shape is a kernel's gradient sum."""
-  pipeline: nn.Pipeline | None
-
-  @nn.compact
-  def __call__(self, x):
-    x = nn.Dense(24)(x)
-    x = nn.Stack(Block, 4, pipeline=self.pipeline)(name='blocks')(x)
-    return nn.Dense(3)(x)
-
-
-def fsdp_shardings(params, mesh):
-  """FSDP within each stage: every parameter split over 'data' on its
-  last axis that 'data' divides (the stack's layer axis on 'stage')."""
-  data = dict(zip(mesh.axis_names, mesh.axis_sizes))['data']
-
-  def place(path, a):
-    stacked = 'blocks' in jax.tree_util.keystr(path)
-    spec = ['stage' if stacked else None] + [None] * (a.ndim - 1)
-    split = [i for i in range(stacked, a.ndim) if a.shape[i] % data == 0]
-    if split:
-      spec[split[-1]] = 'data'
-    return jax.sharding.NamedSharding(mesh, jax.P(*spec))
-
-  return jax.tree_util.tree_map_with_path(place, params)
-
-
-def while_carries(hlo_text):
-  """The array shapes of every while loop's carry in compiled HLO text."""
-  return {shape for carry in re.findall(r'= \((.*?)\) while\(', hlo_text)
-          for shape in re.findall(r'f32\[[0-9,]*\]', carry)}
-
-
-@pytest.mark.parametrize('mode', ['1f1b', 'zero_bubble'])
-def test_training_loops_split_gradient_sums_as_the_parameters(mode):
-  """Under FSDP within each stage the loop's gradient sums are split as
-  the variables they sum for: a stage's kernels, (R=1, K=2, 24, 24) split
-  over 'data' on the last axis, are carried as (.., 24, 6) per device, as
-  in GPipe's loop, never whole; the gradients are GPipe's. (XLA:TPU kept
-  the 1F1B sums whole on every chip when nothing tied them to the
-  parameters; XLA:CPU splits them either way, so the lowered program is
-  checked for that tie where JAX has ``shard_alike``.)"""
-  mesh = mesh_of(2, 4)
-  x, target = model_batch(32)
-  params = init(Wide(None), x)['params']
-  pipe = nn.Pipeline(stages=2, microbatches=4, mode=mode)
-  gpipe = Wide(dataclasses.replace(pipe, mode='gpipe'))
-  with jax.set_mesh(mesh):
-    params = jax.device_put(params, fsdp_shardings(params, mesh))
-    lowered = jax.jit(nn.pipeline.value_and_grad(model_loss(Wide(pipe)))
-                      ).lower(params, x, target)
-    compiled = lowered.compile()
-    loss, grads = compiled(params, x, target)
-    loss_g, grads_g = jax.jit(jax.value_and_grad(model_loss(gpipe)))(
-        params, x, target)
-  np.testing.assert_allclose(loss, loss_g, rtol=OUT_RTOL)
-  assert_grads_close(grads, grads_g)
-  carries = while_carries(compiled.as_text())
-  assert {'f32[1,2,24,6]', 'f32[2,24,6]'} & carries, carries
-  assert not [c for c in carries if c.endswith('24,24]')], carries
-  if pipeline_loop._shard_alike is not None:  # pylint: disable=protected-access
-    # Each kernel sum is grouped with the kernels (one sharding group).
-    groups = re.findall(r'sdy\.sharding_group \S+ group_id=(\d+) : '
-                        r'tensor<1x2x24x24xf32>', lowered.as_text())
-    assert len(groups) >= 3 and len(set(groups)) == 1, groups
 
 
 def test_interleaving_errors_name_the_constraint():
