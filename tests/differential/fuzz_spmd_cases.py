@@ -140,3 +140,19 @@ def test_explicit_weight_dimension_over_the_batch_axis_and_another_is_gathered(
                                  explicit=False, in_features=in_features)
   verdict, detail = spmd_family.check_explicit(prog)
   assert verdict == 'ok', detail
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    'found by the explicit family (seeds 7054, 7056, 7072): a LayerNorm '
+    'whose scale is split over a mesh axis while the activation holds its '
+    'features whole; the rule gathers the scale (elementwise weights take '
+    "the activation's layout) where the Auto partitioner splits the "
+    'activation instead: 132 collective bytes against 24, the same at 64 '
+    'and at 1,024 rows'))
+def test_explicit_norm_scale_split_where_the_activation_is_whole():
+  prog = spmd_family.InitProgram(
+      layers=(('norm', 4, ('heads', 'mlp')),),
+      rules=(('embed', 'data'), ('mlp', 'model')), mesh=2, explicit=True,
+      in_features=8)
+  verdict, detail = spmd_family.check_explicit(prog)
+  assert verdict == 'ok', detail
