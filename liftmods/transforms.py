@@ -28,6 +28,7 @@ import jax
 from liftmods import errors
 from liftmods.core import caching, lift, rng_counters
 from liftmods.core import meta
+from liftmods.core.filters import is_empty
 from liftmods.core.frozen_dict import FrozenDict
 from liftmods.core.scope import Scope, Variable
 from liftmods.module import (Module, any_nested, named_call_enabled,
@@ -362,18 +363,37 @@ def _required_keywords_to_positions(fn: Callable[..., Any], args: tuple,
   them (flax#2772). Linen drops every keyword argument of these transforms
   with a warning, so the call then lacks a required argument and fails;
   keywords for parameters with a default are still dropped, as in Linen."""
+  kwargs = dict(kwargs)
+  moved = list(args)
+  for name in _required_positional(fn)[len(args):]:
+    if name not in kwargs:
+      break
+    moved.append(kwargs.pop(name))
+  return tuple(moved), kwargs
+
+
+@functools.lru_cache(maxsize=256)
+def _required_positional(fn: Callable[..., Any]) -> tuple[str, ...]:
+  """The leading required positional-or-keyword parameters of ``fn`` after
+  ``self`` (read once per function, not per call)."""
   try:
     params = list(inspect.signature(fn).parameters.values())[1:]
   except (TypeError, ValueError):  # no signature to read
-    return args, kwargs
-  kwargs = dict(kwargs)
-  moved = list(args)
-  for p in params[len(args):]:
+    return ()
+  names = []
+  for p in params:
     if (p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD
-        or p.default is not inspect.Parameter.empty or p.name not in kwargs):
+        or p.default is not inspect.Parameter.empty):
       break
-    moved.append(kwargs.pop(p.name))
-  return tuple(moved), kwargs
+    names.append(p.name)
+  return tuple(names)
+
+
+caching.register('transforms._required_positional', caching.Policy(
+    holds="the required positional parameters of a vmapped or scanned "
+          "method",
+    keyed_on='the method function', bound='256 entries',
+    cleared='on eviction'), clear=_required_positional.cache_clear)
 
 
 def method_args(methods: Any, trafo_args: tuple,
@@ -962,13 +982,15 @@ def _branches_run_first(run: Callable[[], Any],
   documentation tells users to write it (flax#2200). The rng counters the
   rejected trace advanced are rewound first, so the values equal that
   program's."""
-  root = mdl.scope.root if mdl.scope is not None else None
-  counters = None if root is None else rng_counters.snapshot(
-      root.rng_counters)
+  scope = mdl.scope
+  if scope is None or is_empty(scope.mutable):
+    return run()  # nothing can be created: no snapshot on the apply path
+  root = scope.root
+  counters = rng_counters.snapshot(root.rng_counters)
   try:
     return run()
   except errors.CondBranchVariablesError as rejected:
-    if root is None or not getattr(rejected, 'creation_only', False):
+    if not getattr(rejected, 'creation_only', False):
       raise
     err = rejected
   rng_counters.restore(root.rng_counters, counters)
