@@ -117,7 +117,8 @@ SWEEP_HEADER = ('| sharding | library | stack | precision | largest fitting '
                 '| compiles (fitting) | compile s |')
 
 
-def _mib(report: aot.Report, network: str) -> str:
+def network_cell(report: aot.Report, network: str) -> str:
+  """MiB per chip per step on ``network`` (benchmarks/traffic.py)."""
   mib = report.network_mib(network)
   return '-' if mib is None else f'{mib:,.1f}'
 
@@ -139,7 +140,7 @@ def format_sweep(spec: dict, reports: dict, step: int, params) -> str:
     best = reports[fits]
     cells += [f'{fits:,}', f'{params(fits) / 1e9:.2f}',
               f'{best.peak / aot.MIB:,.0f}', f'{best.temp / aot.MIB:,.0f}',
-              _mib(best, 'dcn'), _mib(best, 'ici')]
+              network_cell(best, 'dcn'), network_cell(best, 'ici')]
   else:
     cells += [f'fewer than {step}'] + ['-'] * 5
   top = reports.get(refused)

@@ -444,12 +444,6 @@ HEADER = ('| size | layers | slice | sharding | library | stack | precision | '
           'ICI MiB/step | compile s |')
 
 
-def network_cell(report: aot.Report, network: str) -> str:
-  """MiB per chip per step on ``network`` (benchmarks/traffic.py)."""
-  mib = report.network_mib(network)
-  return '-' if mib is None else f'{mib:,.1f}'
-
-
 def format_row(row: Row) -> str:
   r = row.report
   m = mfu(row)
@@ -463,7 +457,8 @@ def format_row(row: Row) -> str:
     cells += ['-', '-', '-', r.verdict()]
   cells += [f'{row.model_flops / 1e12:,.1f}',
             'n/a' if r.est_seconds is None else f'{r.est_seconds:.3f}',
-            mfu_cell(m), network_cell(r, 'dcn'), network_cell(r, 'ici'),
+            mfu_cell(m), layouts.network_cell(r, 'dcn'),
+            layouts.network_cell(r, 'ici'),
             f'{r.compile_s:.1f}']
   return '| ' + ' | '.join(str(c) for c in cells) + ' |'
 
