@@ -72,25 +72,30 @@ def state_split(sharding: str, chips: int, slices: int) -> int:
   return math.prod(sizes[a] for a in axes)
 
 
-def check_sweep_step(sharding: str, topology: str, step: int):
+def check_sweep_step(sharding: str, topology: str, step: int,
+                     repeats: int = 1):
   """Raises ValueError when ``--sweep``'s layer steps cannot be laid out
   under ``sharding`` on ``topology``: ``stage_fsdp`` gives each slice a
-  stage, and ``nn.Pipeline`` needs the layers divisible by the stages.
+  stage, and ``nn.Pipeline`` needs the layers divisible by the stages times
+  its ``repeats`` (the chunks of each stage).
 
   Args:
     sharding: a name from ``SHARDINGS``.
     topology: a topology name ('2xv5p:4x4x8').
     step: the sweep's layer-count step.
+    repeats: ``stage_fsdp``'s ``nn.Pipeline`` repeats (``--pipeline_repeats``).
   """
   _known(sharding)
   if step < 1:
     raise ValueError(f'--sweep_step={step}: expected at least 1.')
   stages = aot.split_slices(topology)[1]
-  if sharding == 'stage_fsdp' and step % stages:
-    raise ValueError(
-        f'--sweep_step={step}: stage_fsdp on {topology} splits the layers '
-        f'over {stages} stages (one per slice), so the step must be a '
-        f'multiple of {stages}.')
+  if sharding != 'stage_fsdp' or not step % (stages * repeats):
+    return
+  chunks = '' if repeats == 1 else f' x {repeats} repeats'
+  raise ValueError(
+      f'--sweep_step={step}: stage_fsdp on {topology} splits the layers '
+      f'over {stages} stages (one per slice){chunks}, so the step must be a '
+      f'multiple of {stages * repeats}.')
 
 
 NESTED = ('nested', 'nested_offload')  # policies that group across layers

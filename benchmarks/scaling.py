@@ -13,8 +13,9 @@ layer-stack policy, for liftmods and for the same model under flax.linen:
 - over several slices (a topology such as ``2xv5e:4x4``): ``dcn_fsdp``,
   data parallel across the slices (over DCN) and FSDP within each;
   ``stage_fsdp``, one ``nn.Pipeline`` stage per slice (``--pipeline_mode``,
-  ``--pipeline_micro``; liftmods only) and FSDP within each. Every row gives
-  its bytes per chip per step over DCN and over ICI
+  ``--pipeline_micro``, ``--pipeline_repeats``: above 1, the circular
+  schedule or interleaved 1F1B; liftmods only) and FSDP within each. Every
+  row gives its bytes per chip per step over DCN and over ICI
   (``benchmarks/traffic.py``).
 - stack ``none``: no rematerialization; ``full``: each block recomputed
   (``nn.Stack(policy='full')`` / Linen ``nn.scan(nn.remat(...))``);
@@ -38,7 +39,8 @@ come back in seconds and their "needs X GiB" locate the limit, so mostly
 only the answer compiles in full (``aot.largest_fitting``). Across slices
 (``--slices=2xv5p:4x4x8 --sharding=dcn_fsdp,stage_fsdp``) each row also
 gives the DCN and ICI bytes per step of the largest program that fits;
-``stage_fsdp`` needs a step that is a multiple of the slice count.
+``stage_fsdp`` needs a step that is a multiple of the slice count (times
+``--pipeline_repeats``).
 
 Precision (``--precision=f32,bf16``): ``f32`` computes in float32; ``bf16``
 computes in bfloat16 with float32 parameters, optimizer state and loss. The
@@ -130,6 +132,9 @@ flags.DEFINE_string('sharding', 'fsdp', f'one or more (comma-separated) of '
 flags.DEFINE_integer('pipeline_micro', 8, 'microbatches of stage_fsdp')
 flags.DEFINE_string('pipeline_mode', 'gpipe', 'nn.Pipeline mode of '
                     'stage_fsdp (gpipe, 1f1b, zero_bubble)')
+flags.DEFINE_integer('pipeline_repeats', 1, 'nn.Pipeline repeats of '
+                     'stage_fsdp: layer chunks per stage; above 1, gpipe is '
+                     'the circular schedule and 1f1b interleaved 1F1B')
 flags.DEFINE_integer('chip_batch', 1, 'sequences per chip (with --sizes)')
 flags.DEFINE_integer('layers', 0, 'override the layer count (0: the size\'s)')
 flags.DEFINE_integer('seq', 0, 'override the sequence length (0: the size\'s)')
@@ -210,13 +215,31 @@ def mesh_for(sharding: str, topology: str) -> jax.sharding.Mesh:
   return aot.topology_mesh(topology, sized, dcn)
 
 
-def pipeline_for(sharding: str, topology: str, micro: int, mode: str):
-  """The ``nn.Pipeline`` of a ``stage_fsdp`` row (one stage per slice,
-  ``micro`` microbatches, schedule ``mode``), else None."""
+def pipeline_for(sharding: str, topology: str, micro: int, mode: str,
+                 repeats: int = 1) -> lnn.Pipeline | None:
+  """The ``nn.Pipeline`` of a ``stage_fsdp`` row, else None.
+
+  Args:
+    sharding: a name from ``SHARDINGS``.
+    topology: a topology name; one stage per slice ('2xv5p:4x4x8': 2).
+    micro: microbatches.
+    mode: the schedule ('gpipe', '1f1b', 'zero_bubble').
+    repeats: layer chunks per stage (``R > 1``: circular GPipe, interleaved
+      1F1B).
+
+  Raises:
+    ValueError: the pipeline cannot be built; the message names the flags.
+  """
   if sharding != 'stage_fsdp':
     return None
-  return lnn.Pipeline(stages=aot.split_slices(topology)[1],
-                      microbatches=micro, mode=mode)
+  stages = aot.split_slices(topology)[1]
+  try:
+    return lnn.Pipeline(stages=stages, microbatches=micro, repeats=repeats,
+                        mode=mode)
+  except ValueError as e:
+    raise ValueError(
+        f'stage_fsdp on {topology} (--pipeline_micro={micro}, '
+        f'--pipeline_mode={mode}, --pipeline_repeats={repeats}): {e}') from e
 
 
 def liftmods_stack(policy, batch='data'):
@@ -360,16 +383,18 @@ class Row:
 
 
 def compile_row(size, topology, sharding, library, policy, chip_batch,
-                cfg=None, precision='f32', layers=0, micro=8, mode='gpipe'):
+                cfg=None, precision='f32', layers=0, micro=8, mode='gpipe',
+                repeats=1):
   """One row: the train step compiled for ``topology`` in ``precision``
   (``cfg`` overrides the size's config, ``layers`` its layer count;
-  ``micro`` and ``mode`` are a ``stage_fsdp`` row's pipeline)."""
+  ``micro``, ``mode`` and ``repeats`` are a ``stage_fsdp`` row's
+  pipeline)."""
   cfg = cfg or config(size, layers)
   _, rules = SHARDINGS[sharding]
   mesh = mesh_for(sharding, topology)
   batch = chip_batch * mesh.size
   tokens = jax.ShapeDtypeStruct((1, cfg.max_len), jnp.int32)
-  pipe = pipeline_for(sharding, topology, micro, mode)
+  pipe = pipeline_for(sharding, topology, micro, mode, repeats)
   extra = dict(precision=precision, layers=cfg.num_layers)
   if pipe is not None and library != 'liftmods':
     report = aot.Report(f'{size} {library} {policy}', 0.0, fits=False,
@@ -414,6 +439,8 @@ def compile_row(size, topology, sharding, library, policy, chip_batch,
            f'{policy} {precision} b={batch}')
   if pipe is not None:
     label += f' {pipe.mode} M={pipe.microbatches}'
+    if pipe.repeats > 1:
+      label += f' R={pipe.repeats}'
   report, _ = aot.compile_report(label, lower, mesh)
   return Row(size, topology, sharding, library, policy, batch,
              sharded_bytes(state), report, model_flops(cfg, batch), **extra)
@@ -501,6 +528,11 @@ def plan():
     combos = ROW_SETS[F.rows]
   for (size, topology, sharding, chip_batch, policies, row_precisions,
        layers) in combos:
+    try:  # a refused pipeline before any compile
+      pipeline_for(sharding, topology, F.pipeline_micro, F.pipeline_mode,
+                   F.pipeline_repeats)
+    except ValueError as e:
+      raise app.UsageError(str(e)) from e
     for policy in policies:
       for precision in row_precisions:
         for library in libraries:
@@ -509,7 +541,8 @@ def plan():
           yield dict(size=size, topology=topology, sharding=sharding,
                      library=library, policy=policy, chip_batch=chip_batch,
                      precision=precision, layers=layers,
-                     micro=F.pipeline_micro, mode=F.pipeline_mode)
+                     micro=F.pipeline_micro, mode=F.pipeline_mode,
+                     repeats=F.pipeline_repeats)
 
 
 def largest_f32(hlo_text: str) -> int:
@@ -588,7 +621,7 @@ def sweep_specs():
       continue
     try:
       layouts.check_sweep_step(spec['sharding'], spec['topology'],
-                               F.sweep_step)
+                               F.sweep_step, spec['repeats'])
     except ValueError as e:
       raise app.UsageError(str(e)) from e
     specs.append(spec)
@@ -620,6 +653,7 @@ def sweep_main():
     print(rows[-1], flush=True)  # kept if a long search is stopped later
     seconds += sum(r.compile_s for r in reports.values())
   pipe = (f'; stage_fsdp: {F.pipeline_mode}, {F.pipeline_micro} microbatches'
+          f', {F.pipeline_repeats} repeats'
           if 'stage_fsdp' in shardings(F.sharding) else '')
   print(f'\nLargest fitting layer count (steps of {step}), {size} width on '
         f'{topology}, {F.chip_batch} sequences per chip{pipe}; per device '

@@ -4,6 +4,10 @@ the DCN / ICI classifier of ``benchmarks/traffic.py`` on hand-written
 HLO, and the arithmetic of the sweep across slices
 (``benchmarks/layouts.py``). The same paths compiled for real slices are in
 tests/tpu."""
+import json
+import pathlib
+import subprocess
+import sys
 import types
 
 import pytest
@@ -11,6 +15,8 @@ import pytest
 from benchmarks import aot
 from benchmarks import layouts
 from benchmarks import traffic
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize('name,expected', [
@@ -292,6 +298,79 @@ def test_sweep_step_must_divide_into_one_stage_per_slice():
     layouts.check_sweep_step('stage_fsdp', '4xv5p:4x4x8', 6)
   with pytest.raises(ValueError, match='--sweep_step=0: expected at least 1'):
     layouts.check_sweep_step('fsdp', 'v5e:4x4', 0)
+
+
+def test_sweep_step_counts_the_chunks_of_an_interleaved_pipeline():
+  layouts.check_sweep_step('stage_fsdp', '2xv5p:4x4x8', 4, repeats=2)
+  layouts.check_sweep_step('dcn_fsdp', '2xv5p:4x4x8', 2, repeats=2)
+  with pytest.raises(ValueError, match=r'--sweep_step=6: stage_fsdp on '
+                     r'2xv5p:4x4x8 splits the layers over 2 stages \(one per '
+                     r'slice\) x 2 repeats, so the step must be a multiple of '
+                     r'4\.'):
+    layouts.check_sweep_step('stage_fsdp', '2xv5p:4x4x8', 6, repeats=2)
+
+
+# benchmarks.scaling's flags, parsed in a process of their own (other
+# benchmark modules define flags of the same names).
+_SCALING_FLAGS = """
+import json, sys
+from absl import app
+from benchmarks import scaling
+out = {}
+for name, argv in json.loads(sys.argv[1]).items():
+  scaling.F.unparse_flags()
+  scaling.F(['scaling'] + argv)
+  try:
+    specs = scaling.sweep_specs()
+  except app.UsageError as e:
+    out[name] = str(e)
+    continue
+  pipes = [scaling.pipeline_for(s['sharding'], s['topology'], s['micro'],
+                                s['mode'], s['repeats']) for s in specs]
+  out[name] = [[s['sharding'], s['repeats']] + (
+      [] if p is None else [p.stages, p.microbatches, p.repeats, p.mode,
+                            p.iterations, p.bubble_fraction])
+      for s, p in zip(specs, pipes)]
+print(json.dumps(out))
+"""
+_TWO_V5P = ['--sizes=8b', '--slices=2xv5p:4x4x8', '--policies=full',
+            '--libraries=liftmods', '--sharding=dcn_fsdp,stage_fsdp']
+
+
+def _scaling_plans(**argvs):
+  result = subprocess.run(
+      [sys.executable, '-c', _SCALING_FLAGS, json.dumps(argvs)], cwd=ROOT,
+      capture_output=True, text=True, check=True)
+  return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_scaling_pipeline_repeats_reach_the_stage_rows_pipeline():
+  plans = _scaling_plans(
+      interleaved=_TWO_V5P + ['--pipeline_mode=1f1b', '--pipeline_repeats=2',
+                              '--sweep_step=4'],
+      default=_TWO_V5P + ['--sweep_step=2'],
+      bad_step=_TWO_V5P + ['--pipeline_mode=1f1b', '--pipeline_repeats=2',
+                           '--sweep_step=6'],
+      bad_micro=_TWO_V5P + ['--pipeline_mode=1f1b', '--pipeline_repeats=2',
+                            '--pipeline_micro=3'],
+      bad_repeats=_TWO_V5P + ['--pipeline_repeats=0'])
+  # Interleaved 1F1B, S=2 M=8 v=2: M v + v S + S - 2 = 20 iterations, the
+  # formula bubble (S - 1) / (M v + S - 1) = 1/17; dcn_fsdp has no pipeline.
+  assert plans['interleaved'] == [
+      ['dcn_fsdp', 2], ['stage_fsdp', 2, 2, 8, 2, '1f1b', 20, 1 / 17]]
+  assert plans['default'] == [
+      ['dcn_fsdp', 1], ['stage_fsdp', 1, 2, 8, 1, 'gpipe', 9, 1 / 9]]
+  assert plans['bad_step'] == (
+      '--sweep_step=6: stage_fsdp on 2xv5p:4x4x8 splits the layers over 2 '
+      'stages (one per slice) x 2 repeats, so the step must be a multiple of '
+      '4.')
+  assert plans['bad_micro'].startswith(
+      'stage_fsdp on 2xv5p:4x4x8 (--pipeline_micro=3, --pipeline_mode=1f1b, '
+      "--pipeline_repeats=2): Pipeline: interleaved mode='1f1b' (repeats=2) ")
+  assert 'microbatches must be a multiple of stages' in plans['bad_micro']
+  assert plans['bad_repeats'] == (
+      'stage_fsdp on 2xv5p:4x4x8 (--pipeline_micro=8, --pipeline_mode=gpipe, '
+      '--pipeline_repeats=0): Pipeline.repeats must be a positive int; got 0.')
 
 
 def test_sweep_skips_the_rows_that_cannot_be_built():
