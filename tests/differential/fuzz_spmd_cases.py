@@ -2,13 +2,19 @@
 them that are not fixed yet (strict xfails named after what they are, with
 the program the shrinker printed). Not collected by the main run:
 ``test_fuzz_families.py`` runs this file in a fresh process with 8
-simulated devices. By hand: ``python -m pytest
+simulated devices, the cases marked ``integration`` with ``make
+test-integration``. By hand: ``python -m pytest
 tests/differential/fuzz_spmd_cases.py``.
 """
 import multidevice
 
 multidevice.simulate(8)
 
+import collections  # pylint: disable=g-import-not-at-top
+import dataclasses  # pylint: disable=g-import-not-at-top
+
+import jax  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 
 from fuzz import families, harness, pipeline_family, spmd_family
@@ -117,6 +123,144 @@ def test_pipeline_family_draws_impure_blocks():
   assert any(p.mutable and not p.declared for p in drawn)
   assert any('intermediates' in p.mutable for p in drawn)
   assert any('state' in p.mutable and p.declared for p in drawn)
+
+
+# Seed 7051's block (jax 0.10.2): three Dense layers, an RMSNorm and a
+# matmul; 16 of them put Dense_0's gradients 2,000 times below the largest.
+DEEP = """class Node1(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(4)(x)
+    return nn.DenseGeneral(4, axis=-1)(x)
+
+class Node2(nn.Module):
+  def setup(self):
+    self.m0 = nn.RMSNorm()
+    self.w3 = self.param('w3', nn.initializers.lecun_normal(), (4, 4))
+
+  def __call__(self, x):
+    return self.m0(x) @ self.w3
+
+class Block(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(4, use_bias=False)(x)
+    m1 = Node1()
+    x = m1(m1(x))
+    return Node2()(x)
+"""
+
+
+@pytest.mark.integration
+def test_pipeline_gradient_tolerance_follows_the_tree_and_the_depth(
+    monkeypatch):
+  """Found by the pipeline family (seed 7051 on jax 0.10.2): circular GPipe
+  over 8 stages and 2 repeats put Dense_0's gradients at 1e-3 beside the
+  blocks' 2.0, and float32 rounding of the 16 layers' cotangents left them
+  1.5e-7 from the unpipelined step's, over a tolerance of their own size
+  alone. The tolerance adds a float32 epsilon of the tree's largest
+  gradient per layer crossed; a reference off by 1%, in the whole tree or in
+  one of Dense_0's arrays, is still flagged."""
+  prog = pipeline_family.Program(
+      src=DEEP, stages=8, microbatches=8, repeats=2, per_chunk=1,
+      mode='gpipe', remat_iterations=False, policy='None', rows=4,
+      sharded=False)
+  close, compared = pipeline_family._close, []  # pylint: disable=protected-access
+  monkeypatch.setattr(pipeline_family, '_close', lambda got, want, depth=0: (
+      compared.append((got, want, depth)) or close(got, want, depth)))
+  assert pipeline_family.check(prog) == ('ok', '')
+  grads, ref, depth = compared[0]
+  assert depth == 18 and close(grads, ref, depth) == ''
+  off = lambda tree: jax.tree_util.tree_map(lambda a: a * 1.01, tree)
+  assert close(grads, off(ref), depth).startswith("['Dense_0']['bias']")
+  for name in ('bias', 'kernel'):
+    one_off = {**ref, 'Dense_0': {**ref['Dense_0'],
+                                  name: off(ref['Dense_0'][name])}}
+    assert close(grads, one_off, depth).startswith(f"['Dense_0']['{name}']")
+
+
+def test_pipeline_family_gradient_tolerance():
+  """Seed 7051's figures: Dense_0's bias gradient 9.4e-4 at most, 1.5e-7
+  off, beside a largest gradient of 2.0 after 18 layers (the integration
+  case above runs the program); off by 1% is over the tolerance."""
+  close = pipeline_family._close  # pylint: disable=protected-access
+  ref = {'Dense_0': {'bias': np.array([9.4e-4, -2e-4], np.float32)},
+         'blocks': {'kernel': np.array([[2.0, -0.5]], np.float32)}}
+  got = {**ref, 'Dense_0': {'bias': ref['Dense_0']['bias'] + 1.5e-7}}
+  assert close(got, ref, depth=18) == ''
+  assert close(got, ref) == "['Dense_0']['bias'] differs by 1.5e-07"
+  for scale in (1.01, 0.99):
+    wrong = {**ref, 'Dense_0': {'bias': ref['Dense_0']['bias'] * scale}}
+    assert close(wrong, ref, depth=18).startswith("['Dense_0']['bias']")
+  wrong = {**ref, 'blocks': {'kernel': ref['blocks']['kernel'] * 1.01}}
+  assert close(wrong, ref, depth=18).startswith("['blocks']['kernel']")
+
+
+def test_pipeline_family_compares_integer_leaves_exactly():
+  close = pipeline_family._close  # pylint: disable=protected-access
+  want = {'n': np.array([3, 4]), 'w': np.array([2.0, 1.0], np.float32)}
+  assert close(want, want, depth=100) == ''
+  assert close({**want, 'n': np.array([3, 5])}, want, depth=100) == (
+      "['n'] differs (exact)")
+  assert close({**want, 'n': np.array([3., 4.])}, want) == (
+      "['n'] is float64(2,), expected int64(2,)")
+
+
+def _refused(kind):
+  mode, microbatches, repeats, remat = {
+      'indivisible': ('1f1b', 6, 2, False), 'too_few': ('gpipe', 2, 2, False),
+      'recomputed': ('zero_bubble', 4, 1, True)}[kind]
+  return pipeline_family.Program(
+      src=DEEP, stages=4, microbatches=microbatches, repeats=repeats,
+      per_chunk=1, mode=mode, remat_iterations=remat, policy='None', rows=2,
+      sharded=False)
+
+
+@pytest.mark.parametrize('kind,message', [
+    ('indivisible', 'microbatches must be a multiple of stages'),
+    ('too_few', 'needs at least as many microbatches as stages'),
+    ('recomputed', 'already recomputes each stage')])
+def test_pipeline_family_expects_the_constructor_refusals(kind, message,
+                                                          monkeypatch):
+  """A configuration nn.Pipeline documents that it refuses is
+  'both_raise' with its message; refused but expected to run, or run but
+  expected refused, is a mismatch."""
+  prog = _refused(kind)
+  verdict, detail = pipeline_family.check(prog)
+  assert verdict == 'both_raise' and message in detail, detail
+  monkeypatch.setattr(pipeline_family, 'construction_refusal',
+                      lambda prog: '')
+  verdict, detail = pipeline_family.check(prog)
+  assert verdict == 'mismatch' and detail.startswith(
+      'nn.Pipeline refused a configuration it documents as valid'), detail
+  monkeypatch.setattr(pipeline_family, 'construction_refusal',
+                      lambda prog: message)
+  verdict, detail = pipeline_family.check(
+      dataclasses.replace(prog, microbatches=8, mode='gpipe',
+                          remat_iterations=False))
+  assert verdict == 'mismatch' and detail.startswith(
+      'nn.Pipeline accepted a configuration it documents that it refuses')
+
+
+def _refused_kind(prog) -> str:
+  if 'stack policy' in pipeline_family.refusal(prog):
+    return 'policy'
+  if prog.remat_iterations and prog.mode != 'gpipe':
+    return 'recomputed'
+  if pipeline_family.construction_refusal(prog):
+    return 'indivisible' if prog.mode != 'gpipe' else 'too_few'
+  return ''
+
+
+def test_pipeline_family_draws_few_refused_configurations():
+  """3-5% of programs are configurations refused on purpose (each kind
+  drawn), the rest are ones the pipeline runs."""
+  kinds = collections.Counter(
+      _refused_kind(pipeline_family.draw(harness.RecordingChooser(seed)))
+      for seed in range(1000, 1600))
+  assert 18 <= 600 - kinds.pop('') <= 30, kinds
+  assert sorted(kinds) == ['indivisible', 'policy', 'recomputed',
+                           'too_few'], kinds
 
 
 @pytest.mark.parametrize('layers, rules, in_features', [

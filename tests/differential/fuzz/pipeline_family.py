@@ -26,17 +26,22 @@ microbatch in microbatch order; so the reference runs the unpipelined
 model on each microbatch in turn, carrying the updated collections, and
 takes the mean of the losses and the gradients. Loss, every gradient and
 every updated collection, in the pipeline's layout, within float32
-rounding (relative to each array's largest entry, as ``tests/pipeline``).
+rounding: relative to each array's largest entry (as ``tests/pipeline``)
+and, for a gradient, an epsilon of the tree's largest per layer the
+backward pass crossed (``_tolerance``); integer leaves, and the parameters
+taken to the pipeline's layout and back, bit for bit.
 
 What the pipeline documents that it refuses must be refused with its
 error: a mutable collection not declared ``per_microbatch``
 (``PipelineError`` naming it), and variables the blocks create rather than
 update (sown intermediates: ``PipelineError``, "can only update variables
-that already exist"). Such a program, and a configuration ``nn.Pipeline``
-rejects at construction (``ValueError``), is ``both_raise``: the reference
-runs, the pipeline refuses as documented. Any other exception, or a
-refusal of a program the pipeline should run, is a mismatch; a hang is a
-failure.
+that already exist"). Such a program is ``both_raise``: the reference
+runs, the pipeline refuses as documented. The configurations are drawn
+valid but for ``REFUSED_PERCENT`` of them, drawn among those ``nn.Pipeline``
+or ``nn.Stack`` documents that it refuses (``construction_refusal``,
+``refusal``), which must raise the ``ValueError`` saying so. Any other
+exception, a refusal of a program the pipeline should run, or a program
+run that it should refuse, is a mismatch; a hang is a failure.
 """
 import dataclasses
 import re
@@ -50,6 +55,10 @@ from jax.sharding import PartitionSpec as P
 from . import programs
 
 RTOL = 2e-5  # of each array's largest entry: float32 rounding of a longer sum
+EPS = float(np.finfo(np.float32).eps)
+REFUSED_PERCENT = 4  # of programs drawn as a configuration refused on purpose
+MODES = ('gpipe', '1f1b', 'zero_bubble')
+MICROBATCHES = (2, 1, 4, 8, 3)  # simplest first
 BLOCK_FEATURES = {f: False for f in programs.FEATURES}
 BLOCK_FEATURES.update({f: True for f in (
     'dense', 'dense_general', 'layer_norm', 'rms_norm', 'activation',
@@ -93,18 +102,15 @@ class Program:
 
 
 def draw(c: programs.Chooser) -> Program:
-  """A random block and pipeline (valid or not)."""
+  """A random block and pipeline: a configuration ``nn.Pipeline`` runs,
+  or, ``REFUSED_PERCENT`` of the time, one it documents that it refuses."""
   gen = programs.Generator(c, BLOCK_FEATURES, max_depth=2)
   pure = not c.boolean(0.5)
   info = gen.node(c.integer(1, 2), 2, pure=pure, name='Block')
-  mode = c.choice(['gpipe', '1f1b', 'zero_bubble'])
-  prog = Program('\n\n'.join(gen.classes) + '\n',
-                 stages=c.choice([2, 1, 4, 8]),
-                 microbatches=c.choice([2, 1, 4, 8, 3]),
-                 repeats=c.weighted([(1, 3), (2, 1)]),
-                 per_chunk=c.choice([1, 2]), mode=mode,
-                 remat_iterations=c.boolean(0.15),
-                 policy=c.choice(['None', "'full'"]),
+  src = '\n\n'.join(gen.classes) + '\n'
+  refused = not c.boolean(1 - REFUSED_PERCENT / 100)
+  config = _refused_config(c) if refused else _valid_config(c)
+  prog = Program(src, **config, per_chunk=c.choice([1, 2]),
                  rows=c.choice([2, 1, 4, 3]), sharded=c.boolean(0.4))
   if pure:
     return prog
@@ -112,6 +118,51 @@ def draw(c: programs.Chooser) -> Program:
   mutable = tuple(col for col in held if c.boolean(0.5))
   return dataclasses.replace(prog, train=c.boolean(0.7), mutable=mutable,
                              declared=bool(mutable) and c.boolean(0.7))
+
+
+def _schedulable(mode: str, stages: int, repeats: int,
+                 microbatches: int) -> bool:
+  """Whether ``nn.Pipeline`` accepts the schedule: a circular one
+  (``repeats > 1``) needs ``microbatches >= stages``, and a trained
+  circular one a multiple of ``stages``."""
+  return repeats == 1 or (microbatches >= stages and (
+      mode == 'gpipe' or microbatches % stages == 0))
+
+
+def _valid_config(c: programs.Chooser) -> dict:
+  mode = c.choice(MODES)
+  stages = c.choice([2, 1, 4, 8])
+  repeats = c.weighted([(1, 3), (2, 1)])
+  microbatches = c.choice([m for m in MICROBATCHES
+                           if _schedulable(mode, stages, repeats, m)])
+  remat = mode == 'gpipe' and c.boolean(0.15)
+  policy = 'None' if remat else c.choice(['None', "'full'"])
+  return dict(mode=mode, stages=stages, repeats=repeats,
+              microbatches=microbatches, remat_iterations=remat,
+              policy=policy)
+
+
+def _refused_config(c: programs.Chooser) -> dict:
+  """One of the configurations ``nn.Pipeline`` or ``nn.Stack`` documents
+  that it refuses (``construction_refusal``, ``refusal``)."""
+  kind = c.choice(['indivisible', 'too_few', 'recomputed', 'policy'])
+  config = dict(mode='gpipe', stages=c.choice([2, 4, 8]), repeats=1,
+                remat_iterations=False, policy='None')
+  if kind in ('indivisible', 'too_few'):
+    config['repeats'] = 2
+    if kind == 'indivisible':
+      config['mode'] = c.choice(MODES[1:])
+    config['microbatches'] = c.choice([
+        m for m in MICROBATCHES
+        if not _schedulable(config['mode'], config['stages'], 2, m)])
+    return config
+  config['microbatches'] = c.choice(MICROBATCHES)
+  config['remat_iterations'] = True
+  if kind == 'recomputed':
+    config['mode'] = c.choice(MODES[1:])
+  else:
+    config['policy'] = "'full'"
+  return config
 
 
 def _model(nn, block, length, policy, pipeline, train):
@@ -139,6 +190,22 @@ def _relayout(tree, move):
 def _relayout_all(collections, move):
   return {col: _relayout(dict(tree), move)
           for col, tree in collections.items()}
+
+
+def construction_refusal(prog: Program) -> str:
+  """A regex of the ``ValueError`` ``nn.Pipeline(...)`` must raise for
+  ``prog``'s configuration, or '' when it must accept it: a circular
+  schedule with fewer microbatches than stages, or a trained one whose
+  microbatches are not a multiple of them; ``remat_iterations`` with a
+  trained schedule."""
+  found = []
+  if not _schedulable(prog.mode, prog.stages, prog.repeats,
+                      prog.microbatches):
+    found += ['microbatches must be a multiple of stages',
+              'needs at least as many microbatches as stages']
+  if prog.mode != 'gpipe' and prog.remat_iterations:
+    found.append('already recomputes each stage')
+  return '|'.join(found)
 
 
 def refusal(prog: Program) -> str:
@@ -195,26 +262,82 @@ def _reference(plain, state, prog, params, x, y):
   return total, grads, updated
 
 
-def _close(got, want):
-  """'' when ``got`` equals ``want`` to float32 rounding, else what
-  differs."""
+def _tolerance(own: float, largest: float, depth: int) -> float:
+  """How far an array whose largest entry is ``own`` may be from its
+  reference: float32 rounding of its own sums, and, for a gradient that
+  crossed ``depth`` layers, of the cotangents it came through, which are as
+  large as the tree's ``largest`` however small the gradient ends up (a
+  Dense before 16 layers takes a gradient of 1e-3 beside ones of 2.0)."""
+  return RTOL * max(own, 1e-3) + EPS * depth * largest
+
+
+def _close(got, want, depth: int = 0) -> str:
+  """'' when ``got`` equals ``want`` to float32 rounding (``_tolerance``;
+  ``depth`` 0 for what no backward pass computed), integers exactly; else
+  what differs."""
   flat = jax.tree_util.tree_flatten_with_path(want)[0]
   leaves = jax.tree_util.tree_leaves(got)
   if len(leaves) != len(flat):
     return 'trees differ'
+  largest = max([float(np.abs(r).max(initial=0)) for _, r in flat
+                 if np.issubdtype(np.asarray(r).dtype, np.floating)] + [0.])
   for (path, r), g in zip(flat, leaves):
     r, g = np.asarray(r), np.asarray(g)
-    if r.shape != g.shape or not np.isfinite(g).all() or (
-        np.abs(g - r).max(initial=0) > RTOL * max(np.abs(r).max(initial=0),
-                                                  1e-3)):
-      return (f'{jax.tree_util.keystr(path)} differs by '
-              f'{np.abs(g - r).max(initial=0):.3g}')
+    if r.shape != g.shape or r.dtype != g.dtype:
+      return (f'{jax.tree_util.keystr(path)} is {g.dtype}{g.shape}, '
+              f'expected {r.dtype}{r.shape}')
+    if not np.issubdtype(r.dtype, np.floating):
+      if not np.array_equal(g, r):
+        return f'{jax.tree_util.keystr(path)} differs (exact)'
+      continue
+    off = np.abs(g - r).max(initial=0)
+    if not np.isfinite(g).all() or off > _tolerance(
+        np.abs(r).max(initial=0), largest, depth):
+      return f'{jax.tree_util.keystr(path)} differs by {off:.3g}'
+  return ''
+
+
+def _construct(nn, prog: Program) -> tuple:
+  """``(pipeline, None)``, or ``(None, verdict)`` when the constructor
+  refused: ``both_raise`` for a documented refusal
+  (``construction_refusal``), else a mismatch; accepting a configuration
+  it documents that it refuses is a mismatch too."""
+  expected = construction_refusal(prog)
+  try:
+    pipe = nn.Pipeline(stages=prog.stages, microbatches=prog.microbatches,
+                       repeats=prog.repeats, mode=prog.mode,
+                       remat_iterations=prog.remat_iterations,
+                       per_microbatch=prog.mutable if prog.declared else ())
+  except ValueError as e:
+    found = re.search(expected, str(e)) if expected else None
+    if found:
+      return None, ('both_raise', f'ValueError: ...{found.group(0)}')
+    return None, ('mismatch', f'nn.Pipeline refused a configuration it '
+                              f'documents as valid: {e}')
+  if expected:
+    return None, ('mismatch', f'nn.Pipeline accepted a configuration it '
+                              f'documents that it refuses: {expected}')
+  return pipe, None
+
+
+def _layout_round_trip(pipe, params) -> str:
+  """'' when the stack's parameters survive the pipeline's layout and back
+  bit for bit, else what changed."""
+  back = _relayout(_relayout(params, pipe.to_pipeline_layout),
+                   pipe.to_stack_layout)
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  for (path, a), b in zip(flat, jax.tree_util.tree_leaves(back)):
+    if not np.array_equal(np.asarray(a), np.asarray(b)):
+      return f'{jax.tree_util.keystr(path)} changed by the layout round trip'
   return ''
 
 
 def check(prog: Program) -> tuple:
   """The pipelined step against the unpipelined one (module docstring)."""
   import liftmods as nn  # pylint: disable=g-import-not-at-top
+  pipe, refused = _construct(nn, prog)
+  if refused:
+    return refused
   block = programs.build(prog.src.replace('class Block', 'class Model'), nn)
   length = prog.stages * prog.repeats * prog.per_chunk
   policy = eval(prog.policy)  # pylint: disable=eval-used
@@ -229,19 +352,11 @@ def check(prog: Program) -> tuple:
   params = variables.pop('params')
   variables.pop('intermediates', None)  # sown by init; the step sows anew
   try:
-    ref_loss, ref_grads, ref_updated = _reference(plain, variables, prog,
-                                                  params, x, y)
+    reference = _reference(plain, variables, prog, params, x, y)
     ref_error = None
   except Exception as e:  # pylint: disable=broad-except
-    ref_error = e  # (BatchNorm on batch statistics, batch_stats immutable)
+    reference, ref_error = None, e  # (BatchNorm on batch statistics, ...)
   expected = refusal(prog)
-  try:
-    pipe = nn.Pipeline(stages=prog.stages, microbatches=prog.microbatches,
-                       repeats=prog.repeats, mode=prog.mode,
-                       remat_iterations=prog.remat_iterations,
-                       per_microbatch=prog.mutable if prog.declared else ())
-  except ValueError as e:  # a configuration the constructor documents
-    return 'both_raise', f'{type(e).__name__}: {str(e)[:80]}'
   model = _model(nn, block, length, policy, pipe, prog.train)
   p = _relayout(params, pipe.to_pipeline_layout)
   state = _relayout_all(variables, pipe.to_pipeline_layout)
@@ -253,7 +368,7 @@ def check(prog: Program) -> tuple:
         x = jax.device_put(x, NamedSharding(mesh, P('data')))
         y = jax.device_put(y, NamedSharding(mesh, P('data')))
       loss_fn = _loss_of(model, prog)
-      loss, grads = jax.jit(grad_fn(
+      got = jax.jit(grad_fn(
           lambda p, x, y: loss_fn(p, state, x, y),
           has_aux=bool(prog.mutable)))(p, x, y)
   except Exception as e:  # pylint: disable=broad-except
@@ -270,17 +385,25 @@ def check(prog: Program) -> tuple:
     return 'mismatch', f'ran, but the unpipelined model raised {ref_error!r}'
   if expected:
     return 'mismatch', f'ran, but the pipeline documents: {expected}'
+  differs = (_layout_round_trip(pipe, params) or
+             _compare(prog, pipe, got, reference, length))
+  return ('mismatch', differs) if differs else ('ok', '')
+
+
+def _compare(prog, pipe, got, reference, length: int) -> str:
+  """'' when the pipelined step's ``got`` (``value_and_grad``'s) equals
+  the unpipelined ``reference`` (``_reference``'s), else what differs."""
+  (loss, grads), (ref_loss, ref_grads, ref_updated) = got, reference
   updated = {}
   if prog.mutable:
     loss, updated = loss
     updated = _relayout_all(updated, pipe.to_stack_layout)
   grads = _relayout(grads, pipe.to_stack_layout)
   if not np.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6):
-    return 'mismatch', f'loss {float(loss)} vs unpipelined {float(ref_loss)}'
-  differs = _close(grads, ref_grads)
+    return f'loss {float(loss)} vs unpipelined {float(ref_loss)}'
+  # The backward pass crosses the stack's layers and the Dense on each side.
+  differs = _close(grads, ref_grads, depth=length + 2)
   if differs:
-    return 'mismatch', f'gradient {differs}'
+    return f'gradient {differs}'
   differs = _close(updated, ref_updated)
-  if differs:
-    return 'mismatch', f'updated collection {differs}'
-  return 'ok', ''
+  return f'updated collection {differs}' if differs else ''
