@@ -14,6 +14,7 @@ import collections  # pylint: disable=g-import-not-at-top
 import dataclasses  # pylint: disable=g-import-not-at-top
 
 import jax  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 
@@ -261,6 +262,49 @@ def test_pipeline_family_draws_few_refused_configurations():
   assert 18 <= 600 - kinds.pop('') <= 30, kinds
   assert sorted(kinds) == ['indivisible', 'policy', 'recomputed',
                            'too_few'], kinds
+
+
+# Seed 9010's block (shard_map family, jax 0.10.2).
+SCALED_PARAM = """class Block(nn.Module):
+  train: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Conv(4, kernel_size=(2,), padding='SAME')(x)
+    x = nn.DenseGeneral(4, axis=-1)(x)
+    return x * self.param('w1', nn.initializers.normal(0.1), (4,))
+"""
+
+
+@pytest.mark.integration
+def test_shard_map_init_is_the_hand_written_maps_bit_for_bit(monkeypatch):
+  """Found by the shard_map family (seeds 9010, 9012): init through the map
+  rounded one entry of a normal(0.1) parameter one ulp from jax.jit(init)'s
+  unmapped program, while an eager init, and a hand-written jax.shard_map
+  of the unmapped init with the same keys, rounded it as the map did. The
+  map's init is held bit for bit to the hand-written map and to float32
+  rounding to jax.jit(init); one ulp off the first, or 1% off the second,
+  is flagged."""
+  prog = spmd_family.MapProgram(
+      src=SCALED_PARAM, mesh=1, explicit=False, batch_axes=('data',),
+      manual=('data',), pmean=False, batch=16, train=True, split=True)
+  check_init, given = spmd_family._check_map_init, []  # pylint: disable=protected-access
+  monkeypatch.setattr(spmd_family, '_check_map_init', lambda *args: (
+      given.append(args) or check_init(*args)))
+  assert spmd_family.check_map(prog) == ('ok', '')
+  mapped, ref_vars, hand_init, *rest = given[0]
+
+  def one_ulp_off(x):
+    params = hand_init(x)
+    w1 = params['block']['w1']
+    return {'block': {**params['block'], 'w1': w1.at[0].set(
+        jnp.nextafter(w1[0], jnp.inf))}}
+
+  verdict, detail = check_init(mapped, ref_vars, one_ulp_off, *rest)
+  assert verdict == 'mismatch' and 'bitwise' in detail, detail
+  off = jax.tree_util.tree_map(lambda v: v * 1.01, ref_vars)
+  verdict, detail = check_init(mapped, off, hand_init, *rest)
+  assert verdict == 'mismatch' and 'allclose' in detail, detail
 
 
 @pytest.mark.parametrize('layers, rules, in_features', [
