@@ -12,6 +12,10 @@ multidevice.simulate(8)
 
 import collections  # pylint: disable=g-import-not-at-top
 import dataclasses  # pylint: disable=g-import-not-at-top
+import os  # pylint: disable=g-import-not-at-top
+import pathlib  # pylint: disable=g-import-not-at-top
+import subprocess  # pylint: disable=g-import-not-at-top
+import sys  # pylint: disable=g-import-not-at-top
 
 import jax  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -338,6 +342,44 @@ def test_shard_map_init_is_the_hand_written_maps_bit_for_bit(monkeypatch):
   off = jax.tree_util.tree_map(lambda v: v * 1.01, ref_vars)
   verdict, detail = check_init(mapped, off, hand_init, *rest)
   assert verdict == 'mismatch' and 'allclose' in detail, detail
+
+
+def _check_in_a_process(prog) -> str:
+  """``pipeline_family.check(prog)``'s verdict, run in a process of its own
+  with 8 devices (what XLA aborts takes only that process), or what the
+  process printed when it died."""
+  here = pathlib.Path(__file__).resolve().parent
+  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=os.pathsep.join(
+      map(str, (here.parents[1], here.parent, here))))
+  code = ('import multidevice\nmultidevice.simulate(8)\n'
+          'from fuzz.pipeline_family import Program, check\n'
+          f'print(check({prog!r}))\n')
+  proc = subprocess.run([sys.executable, '-c', code], env=env,
+                        capture_output=True, text=True, timeout=600)
+  return proc.stdout.strip() if proc.returncode == 0 else (
+      f'exit {proc.returncode}: {proc.stderr[-1500:]}')
+
+
+@pytest.mark.integration
+@pytest.mark.xfail(
+    tuple(map(int, jax.__version__.split('.')[:2])) >= (0, 11), strict=True,
+    reason=(
+        'found by the pipeline family (seed 14032 on jax 0.12; 0.11.2 alike; '
+        'runs on 0.10.2): GPipe over 2 stages of a (stage 2, data 4) mesh, '
+        'the batch of 4 rows sharded over data but each microbatch of 2 rows '
+        "not dividing it: under jax.value_and_grad XLA's SPMD partitioner "
+        'aborts the process (spmd_partitioner_util.cc "Check failed: '
+        'partition_group_list.num_replica_groups() * '
+        'partition_group_list.num_devices_per_group() == '
+        'device_groups.num_devices_per_group()"); 1F1B, 4-row microbatches '
+        'and an unsharded batch run'))
+def test_gpipe_with_microbatches_smaller_than_the_data_axis_runs():
+  prog = pipeline_family.Program(
+      src='class Block(nn.Module):\n  @nn.compact\n  def __call__(self, x):\n'
+          '    return nn.Dense(4)(x)\n',
+      stages=2, microbatches=2, repeats=1, per_chunk=1, mode='gpipe',
+      remat_iterations=False, policy='None', rows=2, sharded=True)
+  assert _check_in_a_process(prog) == "('ok', '')"
 
 
 @pytest.mark.parametrize('layers, rules, in_features', [
