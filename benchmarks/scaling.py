@@ -653,7 +653,7 @@ def sweep_main():
     print(rows[-1], flush=True)  # kept if a long search is stopped later
     seconds += sum(r.compile_s for r in reports.values())
   pipe = (f'; stage_fsdp: {F.pipeline_mode}, {F.pipeline_micro} microbatches'
-          f', {F.pipeline_repeats} repeats'
+          f', repeats={F.pipeline_repeats}'
           if 'stage_fsdp' in shardings(F.sharding) else '')
   print(f'\nLargest fitting layer count (steps of {step}), {size} width on '
         f'{topology}, {F.chip_batch} sequences per chip{pipe}; per device '
