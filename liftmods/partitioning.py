@@ -196,6 +196,7 @@ def variable_with_axes(collection: str, name: str,
     if axes is not None:
       value = with_sharding_constraint(value, axes, fallback=fallback)
     scope.put_variable(collection, name, value)
+    core_scope.note_creation(scope, collection, name)
   if axes is not None:
     module.sow(f'{collection}_axes', f'{name}_axes', AxisMetadata(axes),
                reduce_fn=_merge_axes)

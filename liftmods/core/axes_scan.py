@@ -308,11 +308,13 @@ def _check_carried_collection(kind, scope, col, before, after):
       what.append('created ' + ', '.join(f'"{var_name(p)}"' for p in added))
     if removed:
       what.append('dropped ' + ', '.join(f'"{var_name(p)}"' for p in removed))
-    raise errors.ScanCarryError(
+    err = errors.ScanCarryError(
         f'{kind} at {scope.path_text}: the body {" and ".join(what)} in '
         f'carried collection "{col}"; carried variables must exist before '
         'the loop and keep their structure. Initialize them outside the '
         'loop.')
+    err.created = not removed  # lift.scan then runs iteration 0 on its own
+    raise err
   for path, leaf in flat_in.items():
     problem = _leaf_problem(leaf, flat_out[path])
     if problem:

@@ -59,9 +59,11 @@ from liftmods.core.pack import (In, Out, broadcast, check_variable_axes,
                                 infer_axis_size, outer_scopes, pack,
                                 split_in_out_axes, split_keys, thaw, typeof,
                                 unzip2, var_name)
-from liftmods.core.rng_counters import RngReplay
+from liftmods.core.rng_counters import (RngReplay, restore_scopes,
+                                         snapshot_scopes)
 from liftmods.core.rngs import LazyKey  # pylint: disable=unused-import
-from liftmods.core.scope import Scope
+from liftmods.core.scan_peel import peel
+from liftmods.core.scope import Scope, created_variables
 
 __all__ = [
     'In', 'Out', 'broadcast', 'pack', 'map_variables', 'swap_collection',
@@ -326,7 +328,7 @@ def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable
           'scan', scopes, variable_groups[2:], var_in_axes, rng_groups,
           rng_splits, n, source, metadata_params)
 
-    def body(broadcast_in, carry, scan_in, rngs, xs):
+    def body(broadcast_in, carry, scan_in, rngs, xs, creates=False):
       carry_in, c = carry
       groups = (broadcast_in, carry_in) + tuple(scan_in)
       if data_transform is not None:
@@ -344,7 +346,9 @@ def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable
         for col, collection in group_in.items():
           if col not in group_out:
             group_out[col] = collection  # read-only ones must stay available
-      check_carry('scan', scopes, carry_in, carry_out, c, c_out)
+      # The peeled first iteration may create carried variables.
+      check_carry('scan', scopes, carry_out if creates else carry_in,
+                  carry_out, c, c_out)
       return broadcast_out, (carry_out, c_out), (ys, scan_out)
 
     explain = functools.partial(_explain_broadcast, scopes)
@@ -360,15 +364,42 @@ def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable
               jax.tree_util.tree_structure((args, init)),
               check_constancy_invariants)
       replay = RngReplay(scopes, site)
-    looped = scan_with_broadcast(
-        body, in_axes=(var_in_axes, rng_axes, in_axes),
-        out_axes=(out_axes, var_out_axes), length=length, reverse=reverse,
-        unroll=unroll, split_transpose=_split_transpose,
-        check_invariants=check_constancy_invariants, explain=explain,
-        writes_broadcast=mutable_broadcast or rngs_cross,
-        rng_replay=replay)
-    broadcast_vars, (carry_vars, c), (ys, scan_out) = looped(
-        broadcast_vars, (carry_vars, init), scan_vars, rng_groups, args)
+    loop_axes = dict(in_axes=(var_in_axes, rng_axes, in_axes),
+                     out_axes=(out_axes, var_out_axes))
+
+    def looped(iterations, b_in, carry, *xs, replay=None):
+      return scan_with_broadcast(
+          body, **loop_axes, length=iterations, reverse=reverse,
+          unroll=unroll, split_transpose=_split_transpose,
+          check_invariants=check_constancy_invariants, explain=explain,
+          writes_broadcast=mutable_broadcast or rngs_cross,
+          rng_replay=replay)(b_in, carry, *xs)
+
+    # As in the loop: broadcast variables come from a first trace, and the
+    # iteration itself draws its keys at the rng counters that trace left.
+    two_traces = check_constancy_invariants and (
+        mutable_broadcast or rngs_cross or broadcast in
+        jax.tree_util.tree_leaves(out_axes))
+
+    def first_iteration(b_in, carry, *xs):
+      if two_traces:
+        b_in = body(b_in, carry, *xs, creates=True)[0]
+      out = body(b_in, carry, *xs, creates=True)
+      if n > 1:
+        restore_scopes(scopes, counters)  # the rest of the loop redraws
+      return out
+
+    inputs = (broadcast_vars, (carry_vars, init), scan_vars, rng_groups, args)
+    counters = snapshot_scopes(scopes)
+    try:
+      out = looped(length, *inputs, replay=replay)
+    except errors.ScanCarryError as err:
+      if not getattr(err, 'created', False):
+        raise
+      restore_scopes(scopes, counters)
+      out = peel(first_iteration, looped, *loop_axes.values(), n, reverse,
+                 *inputs)
+    broadcast_vars, (carry_vars, c), (ys, scan_out) = out
     with axis_owner(_axis_owner, scopes[0].path_text):
       scan_out = tuple(add_axis(group, axis, metadata_params)
                        for group, axis in zip(scan_out, var_out_axes))
@@ -415,16 +446,19 @@ def while_loop(cond_fn: Callable[..., Any], body_fn: Callable[..., Any],
                ) -> Any:
   """``jax.lax.while_loop`` over scopes.
 
-  Variables cannot be initialised in the loop: run the body once before the
-  loop for that.
+  A loop whose condition or body creates variables (during ``init``) first
+  runs them once on the initial carry to create those variables, keeps the
+  values they were created with, and then loops from there: the variables
+  of a ``Dense`` used in the body, or a counter carried by the loop, start
+  as they would in a Python ``while`` loop (Linen raises instead).
 
   Args:
     cond_fn: ``cond_fn(scope, carry) -> bool``.
     body_fn: ``body_fn(scope, carry) -> carry``.
     scope: the scope (or scopes) the functions run on.
     init: the initial carry.
-    carry_variables: collections the body may update (not create).
-    broadcast_variables: read-only collections.
+    carry_variables: collections the body may update.
+    broadcast_variables: collections the loop only reads.
     split_rngs: ``{rng filter: bool}``: which sequences get a new key per
       iteration.
 
@@ -434,54 +468,51 @@ def while_loop(cond_fn: Callable[..., Any], body_fn: Callable[..., Any],
   rng_filters, rng_splits = unzip2(split_rngs.items())
   read_only = subtract(broadcast_variables, carry_variables)
 
+  def loop_rngs(rng_groups, i):
+    return tuple(
+        jax.tree_util.tree_map(lambda k: random.fold_in(k, i), group)
+        if split else group
+        for group, split in zip(rng_groups, rng_splits))
+
+  def creatable(err, scopes) -> bool:
+    """Whether ``err`` says the loop needs a variable it could create."""
+    if isinstance(err, errors.WhileLoopInitError):
+      return True
+    col = getattr(err, 'collection', None)
+    return col is not None and in_filter(read_only, col) and any(
+        in_filter(s.mutable, col) for s in scopes)
+
   def inner(make_scopes, repack_fn, variable_groups, rng_groups):
     scopes = outer_scopes(make_scopes)
     carry_vars, broadcast_vars = variable_groups
 
-    def loop_rngs(i):
-      return tuple(
-          jax.tree_util.tree_map(lambda k: random.fold_in(k, i), group)
-          if split else group
-          for group, split in zip(rng_groups, rng_splits))
-
-    def init_error(err, where):
-      """Linen's lookup error, with a hint saying why the variable is
-      missing, when it was (probably) meant to be created in the loop."""
-      # Only a collection that could be created outside the loop counts.
-      col = getattr(err, 'collection', None)
-      if col is None or not in_filter(read_only, col):
-        return None
-      for s in scopes:
-        if in_filter(s.mutable, col):
-          return type(err)(*err.lookup, hint=(
-              f'This lookup is in the {where} of the while_loop at '
-              f'{s.path_text}, where variables cannot be created: run the '
-              'body once before the loop so that they exist (e.g. during '
-              'init, when self.is_mutable_collection("params")).'))
-      return None
+    def hinted(err, where):
+      if not creatable(err, scopes):
+        return err
+      return type(err)(*err.lookup, hint=(
+          f'This lookup is in the {where} of the while_loop at '
+          f'{scopes[0].path_text}, and a run of the condition and the body '
+          'on the initial carry before the loop did not create it: create '
+          'it before the loop.'))
 
     def cond_wrapper(state):
       i, loop_vars, carry = state
-      inner_scope = make_scopes((loop_vars, broadcast_vars), loop_rngs(-i),
+      inner_scope = make_scopes((loop_vars, broadcast_vars),
+                                loop_rngs(rng_groups, -i),
                                 mutable_filter=False)
       try:
         return cond_fn(inner_scope, carry)
       except _NOT_FOUND as err:
-        better = init_error(err, 'condition')
-        if better is None:
-          raise
-        raise better from err
+        raise hinted(err, 'condition') from err
 
     def body_wrapper(state):
       i, loop_vars, carry = state
-      inner_scope = make_scopes((loop_vars, broadcast_vars), loop_rngs(i))
+      inner_scope = make_scopes((loop_vars, broadcast_vars),
+                                loop_rngs(rng_groups, i))
       try:
         carry = body_fn(inner_scope, carry)
       except _NOT_FOUND as err:
-        better = init_error(err, 'body')
-        if better is None:
-          raise
-        raise better from err
+        raise hinted(err, 'body') from err
       (new_vars,) = repack_fn(inner_scope)
       _check_no_new_variables(scopes, loop_vars, new_vars)
       return i + 1, new_vars, carry
@@ -490,8 +521,50 @@ def while_loop(cond_fn: Callable[..., Any], body_fn: Callable[..., Any],
                                           (0, carry_vars, init))
     return carry, (carry_vars,)
 
-  return pack(inner, (carry_variables, broadcast_variables),
-              (carry_variables,), rng_filters, name='while_loop')(scope)
+  def create(make_scopes, repack_fn, variable_groups, rng_groups):
+    del repack_fn  # only the created variables go out
+    inner_scope = make_scopes(variable_groups, rng_groups)
+    with created_variables() as created:
+      cond_fn(inner_scope, init)
+      body_fn(inner_scope, init)
+    for leaf in jax.tree_util.tree_leaves(
+        inner_scope, is_leaf=lambda x: isinstance(x, Scope)):
+      leaf.root.invalidate()
+    return None, _created_groups(created, outer_scopes(make_scopes),
+                                 carry_variables)
+
+  groups_in = (carry_variables, broadcast_variables)
+  looped = pack(inner, groups_in, (carry_variables,), rng_filters,
+                name='while_loop')
+  scopes = jax.tree_util.tree_leaves(
+      scope, is_leaf=lambda x: isinstance(x, Scope))
+  counters = snapshot_scopes(scopes)
+  try:
+    return looped(scope)
+  except (errors.WhileLoopInitError,) + _NOT_FOUND as err:
+    if not creatable(err, scopes):
+      raise
+  restore_scopes(scopes, counters)
+  # Before the loop, as Linen's documentation says to write it: every rng
+  # sequence is there, unsplit.
+  pack(create, groups_in, groups_in, (True,), name='while_loop')(scope)
+  restore_scopes(scopes, counters)
+  return looped(scope)
+
+
+def _created_groups(created, outer, carry_filter) -> tuple:
+  """``(carried, other)`` variable groups holding only the ``created``
+  variables (``scope.created_variables`` entries) at their first values."""
+  groups = tuple([{} for _ in outer] for _ in range(2))
+  paths = [s.path for s in outer]
+  for scope, col, name, value in created:
+    root = scope.root
+    group = groups[0 if in_filter(carry_filter, col) else 1]
+    node = group[paths.index(root.path)].setdefault(col, {})
+    for part in scope.path[len(root.path):]:
+      node = node.setdefault(part, {})
+    node[name] = value
+  return tuple(tuple(g) for g in groups)
 
 
 def _check_no_new_variables(scopes, vars_in, vars_out):
@@ -505,8 +578,9 @@ def _check_no_new_variables(scopes, vars_in, vars_out):
         raise errors.WhileLoopInitError(
             f'while_loop at {s.path_text}: the body created '
             + ', '.join(f'"{var_name(p)}"' for p in new)
-            + f' in carried collection "{col}". Variables cannot be '
-            'initialised inside a while_loop; create them before the loop.')
+            + f' in carried collection "{col}", which no run before the '
+            'loop creates (a sow adds on every iteration): the carry cannot '
+            'hold it; return it in the carry instead.')
 
 
 def fori_loop(lower, upper, body_fn: Callable[..., Any], scope, init,

@@ -41,6 +41,36 @@ PRNGKey = jax.Array
 
 _EMPTY = FrozenDict()
 _CHILD = object()  # tags child-scope entries in rng_counters
+_creations: list | None = None  # see created_variables
+
+
+@contextlib.contextmanager
+def created_variables():
+  """Collects ``(scope, collection, name, value)`` for every variable
+  created inside the block, ``value`` being what it was created with (a loop
+  whose body creates variables starts from those values).
+
+  >>> from liftmods.core import bind
+  >>> scope = bind({}, mutable=True)
+  >>> with created_variables() as created:
+  ...   n = scope.variable('counts', 'n', lambda: 0)
+  ...   n.value += 5
+  >>> [(col, name, value) for _, col, name, value in created]
+  [('counts', 'n', 0)]
+  """
+  global _creations
+  outer, _creations = _creations, []
+  try:
+    yield _creations
+  finally:
+    _creations = outer
+
+
+def note_creation(scope: 'Scope', col: str, name: str):
+  """Called right after a variable is created, for ``created_variables``
+  (a no-op outside it)."""
+  if _creations is not None:
+    _creations.append((scope, col, name, scope.get_variable(col, name)))
 
 
 class Variable:
@@ -377,6 +407,7 @@ class Scope:
           raise errors.ScopeCollectionNotFound(col, name, self.path_text)
         raise errors.ScopeVariableNotFoundError(name, col, self.path_text)
       self.put_variable(col, name, init_fn(*init_args, **init_kwargs))
+      note_creation(self, col, name)
     return Variable(self, col, name, unbox=unbox)
 
   def param(self, name: str, init_fn: Callable, *init_args,
@@ -401,6 +432,7 @@ class Scope:
       raise errors.ScopeParamNotFoundError(name, self.path_text)
     value = init_fn(self.make_rng('params'), *init_args, **init_kwargs)
     self.put_variable('params', name, value)
+    note_creation(self, 'params', name)
     if not unbox or _is_array(value):
       return value
     try:

@@ -10,9 +10,11 @@ docs/coming-from-linen.md ("Linen issues that work in liftmods").
 """
 from typing import Any
 
+import flax
 import flax.linen as fnn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import liftmods as lnn
@@ -443,3 +445,185 @@ def test_2772_required_keyword_arguments_take_their_position():
   with pytest.warns(RuntimeWarning, match='scale'):
     ours = _keyword_rnn(lnn).apply(variables, X, xs, scale=2.)
   assert_identical(ours, _keyword_rnn(fnn).apply(variables, X, xs))
+
+
+# -- flax 2052: a scan whose body creates its carried variables --------------
+
+
+def _bn_block(nn, dropout=False):
+  class Block(nn.Module):
+    """BatchNorm statistics and a call counter carried through the loop."""
+    @nn.compact
+    def __call__(self, c, x):
+      h = nn.Dense(4)(x)
+      h = nn.BatchNorm(use_running_average=False)(h)
+      calls = self.variable('batch_stats', 'calls',
+                            lambda: jnp.zeros((), jnp.int32))
+      calls.value += 1
+      if dropout:
+        h = nn.Dropout(0.5, deterministic=False)(h)
+      y = nn.Dense(2)(h) * calls.value
+      return c + y.sum(), y
+  return Block
+
+
+def _scanned(nn, reverse=False, dropout=False, split=False):
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, xs):
+      loop = nn.scan(_bn_block(nn, dropout), variable_carry='batch_stats',
+                     variable_broadcast='params',
+                     split_rngs={'params': False, 'dropout': split},
+                     reverse=reverse)
+      c, ys = loop(name='loop')(0.0, xs)
+      return c, ys
+  return Net()
+
+
+def _python_loop(nn, reverse=False):
+  """The reference: the block called once per row, in a Python loop."""
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, xs):
+      block = _bn_block(nn)(name='loop')
+      c, ys = 0.0, [None] * xs.shape[0]
+      rows = range(xs.shape[0])
+      for i in reversed(rows) if reverse else rows:
+        c, ys[i] = block(c, xs[i])
+      return c, jnp.stack(ys)
+  return Net()
+
+
+XS = normal(3, (3, 5, 2))
+
+
+def test_2052_linen_rejects_a_scan_that_creates_its_carried_variables():
+  with pytest.raises(TypeError, match='carry'):
+    _scanned(fnn).init(KEY, XS)
+
+
+@pytest.mark.parametrize('reverse', [False, True])
+@pytest.mark.parametrize('rows', [1, 3])
+def test_2052_scan_creating_its_carried_variables_equals_a_python_loop(
+    reverse, rows):
+  xs = XS[:rows]
+  out, variables = jax.jit(_scanned(lnn, reverse).init_with_output)(KEY, xs)
+  want_out, want = jax.jit(_python_loop(lnn, reverse).init_with_output)(
+      KEY, xs)
+  assert_identical(variables, want)  # created once, then counted per row
+  assert int(variables['batch_stats']['loop']['calls']) == rows
+  jax.tree_util.tree_map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+      out, want_out)
+  # Training steps then run the ordinary loop, still equal to the reference.
+  got, stats = _scanned(lnn, reverse).apply(variables, xs,
+                                            mutable='batch_stats')
+  ref, ref_stats = _python_loop(lnn, reverse).apply(variables, xs,
+                                                    mutable='batch_stats')
+  jax.tree_util.tree_map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+      (got, stats), (ref, ref_stats))
+  assert int(stats['batch_stats']['loop']['calls']) == 2 * rows
+
+
+@pytest.mark.parametrize('split', [False, True])
+def test_2052_init_output_equals_apply_from_the_initial_variables(split):
+  """Dropout keys of the first iteration are those the loop would draw:
+  init's output is apply's on the same rngs, starting from the created
+  values (before the loop counted)."""
+  net = _scanned(lnn, dropout=True, split=split)
+  rngs = {'params': KEY, 'dropout': jax.random.key(1)}
+  out, variables = net.init_with_output(rngs, XS)
+  start = {'params': variables['params'], 'batch_stats': jax.tree_util.tree_map(
+      jnp.zeros_like, variables['batch_stats'])}
+  start['batch_stats']['loop']['BatchNorm_0']['var'] = jnp.ones((4,))
+  again, _ = net.apply(start, XS, rngs={'dropout': jax.random.key(1)},
+                       mutable='batch_stats')
+  assert_identical(again, out)
+
+
+def test_2052_a_carried_variable_changing_shape_still_raises():
+  """Only creation is run outside the loop; a carried variable that
+  changes shape is refused as before."""
+  class Grow(lnn.Module):
+    @lnn.compact
+    def __call__(self, c, x):
+      n = self.variable('batch_stats', 'n', lambda: jnp.zeros((1,)))
+      n.value = jnp.concatenate([n.value, n.value])
+      return c, x
+
+  class Outer(lnn.Module):
+    @lnn.compact
+    def __call__(self, xs):
+      return lnn.scan(Grow, variable_carry='batch_stats')(name='g')(0.0, xs)
+  with pytest.raises(lnn.errors.ScanCarryError, match='shape'):
+    Outer().init(KEY, XS)
+
+
+# -- the while_loop analogue: a loop body that creates variables -------------
+
+
+def _while(nn, python=False):
+  class Looper(nn.Module):
+    def setup(self):
+      self.dense = nn.Dense(3)
+
+    @nn.compact
+    def __call__(self, x):
+      def cond(mdl, c):
+        return c[0] < 3
+
+      def body(mdl, c):
+        n = mdl.variable('state', 'n', lambda: jnp.zeros((), jnp.int32))
+        n.value += 1
+        return c[0] + 1, mdl.dense(c[1]) * 0.5
+      if not python:
+        return nn.while_loop(cond, body, self, (0, x),
+                             carry_variables='state')
+      carry = (0, x)
+      n = self.variable('state', 'n', lambda: jnp.zeros((), jnp.int32))
+      while carry[0] < 3:
+        n.value += 1
+        carry = carry[0] + 1, self.dense(carry[1]) * 0.5
+      return carry
+
+  class Outer(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return Looper(name='looper')(x)
+  return Outer()
+
+
+def test_linen_rejects_a_while_loop_whose_body_creates_variables():
+  with pytest.raises(flax.errors.ScopeCollectionNotFound):
+    _while(fnn).init(KEY, X)
+
+
+def test_while_loop_creating_its_variables_equals_a_python_loop():
+  (_, got), variables = jax.jit(_while(lnn).init_with_output)(KEY, X)
+  (_, want), want_variables = _while(lnn, python=True).init_with_output(KEY,
+                                                                        X)
+  assert_identical((got, variables), (want, want_variables))  # bit for bit
+  assert int(variables['state']['looper']['n']) == 3
+  (_, got), counted = _while(lnn).apply(variables, X, mutable='state')
+  (_, want), want_counted = _while(lnn, python=True).apply(
+      variables, X, mutable='state')
+  assert_identical((got, counted), (want, want_counted))
+  assert int(counted['state']['looper']['n']) == 6
+
+
+def test_while_loop_that_never_runs_still_creates_its_variables():
+  """As before the first test of the condition: created, never updated."""
+  class Never(lnn.Module):
+    @lnn.compact
+    def __call__(self, x):
+      def body(mdl, c):
+        n = mdl.variable('state', 'n', lambda: jnp.zeros((), jnp.int32))
+        n.value += 1
+        return lnn.Dense(3, name='d')(c)
+      return lnn.while_loop(lambda mdl, c: False, body, self, x,
+                            carry_variables='state')
+  out, variables = Never().init_with_output(KEY, X)
+  assert_identical(out, X)
+  assert int(variables['state']['n']) == 0
+  assert variables['params']['d']['kernel'].shape == (3, 3)
