@@ -390,11 +390,15 @@ def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable
       return out
 
     inputs = (broadcast_vars, (carry_vars, init), scan_vars, rng_groups, args)
-    counters = snapshot_scopes(scopes)
+    # Only a scope that may write a carried collection can create one (the
+    # snapshot walks every counter: not on the apply path).
+    counters = snapshot_scopes(scopes) if any(
+        not is_empty(intersect(s.mutable, variable_carry))
+        for s in scopes) else None
     try:
       out = looped(length, *inputs, replay=replay)
     except errors.ScanCarryError as err:
-      if not getattr(err, 'created', False):
+      if counters is None or not getattr(err, 'created', False):
         raise
       restore_scopes(scopes, counters)
       out = peel(first_iteration, looped, *loop_axes.values(), n, reverse,
@@ -538,6 +542,8 @@ def while_loop(cond_fn: Callable[..., Any], body_fn: Callable[..., Any],
                 name='while_loop')
   scopes = jax.tree_util.tree_leaves(
       scope, is_leaf=lambda x: isinstance(x, Scope))
+  if all(is_empty(s.mutable) for s in scopes):
+    return looped(scope)  # nothing can be created
   counters = snapshot_scopes(scopes)
   try:
     return looped(scope)
