@@ -186,3 +186,29 @@ def test_sweep_probe_reports_each_count_with_its_networks(monkeypatch, capsys):
   assert f'{report.label}: fits' in printed and 'MiB per chip per step' in (
       printed)
   assert traffic.summary(report.traffic) in printed  # by collective
+
+
+@needs_libtpu
+def test_interleaved_stage_rows_send_more_microbatches_over_dcn():
+  from benchmarks import scaling  # pylint: disable=g-import-not-at-top
+  from examples.lm.model import Config  # pylint: disable=g-import-not-at-top
+  cfg = Config(vocab_size=512, max_len=64, num_layers=4, num_heads=4,
+               d_model=256, dropout_rate=0.0)
+  plain, interleaved = (
+      scaling.compile_row('tiny', TWO, 'stage_fsdp', 'liftmods', 'full', 4,
+                          cfg=cfg, micro=4, mode='1f1b', repeats=repeats)
+      for repeats in (1, 2))
+  assert plain.report.fits and interleaved.report.fits
+  assert plain.report.label.endswith('1f1b M=4')
+  assert interleaved.report.label.endswith('1f1b M=4 R=2')
+  # Each send is a microbatch (32 / 4 rows of 64 x 256 f32) over a slice's
+  # 4 chips, about two per iteration of the training loop: 1F1B runs
+  # M + 2S - 2 = 6 iterations and sends 10 microbatches, interleaved
+  # (v=2: a microbatch crosses the slices three times forward, not once)
+  # runs M v + v S + S - 2 = 12 and sends 21; measured, with one 4-byte
+  # permute besides. The 8B rows in docs/tpu.md send 18 and 37.
+  micro = 2 * 64 * 256 * 4
+  permutes = [r.report.traffic['dcn', 'collective-permute']
+              for r in (plain, interleaved)]
+  assert [p // micro for p in permutes] == [10, 21], permutes
+  assert all(p % micro < 1024 for p in permutes), permutes
