@@ -371,8 +371,9 @@ def _check_in_a_process(prog) -> str:
         'aborts the process (spmd_partitioner_util.cc "Check failed: '
         'partition_group_list.num_replica_groups() * '
         'partition_group_list.num_devices_per_group() == '
-        'device_groups.num_devices_per_group()"); 1F1B, 4-row microbatches '
-        'and an unsharded batch run'))
+        'device_groups.num_devices_per_group()"); soak seeds 30050, 30064 '
+        'and 30077 alike. 1F1B, microbatches of 3, 4 or 6 rows over the 4 '
+        'devices, of 1 row over 2 (4 stages), and an unsharded batch run'))
 def test_gpipe_with_microbatches_smaller_than_the_data_axis_runs():
   prog = pipeline_family.Program(
       src='class Block(nn.Module):\n  @nn.compact\n  def __call__(self, x):\n'
