@@ -390,12 +390,18 @@ def _run(self, block, config: 'StackConfig', fold, x, args, kwargs):
     given = pipelining.substituted(pipeline, self.scope.path, x)
     if given is not None:  # 1F1B: the loop ran the stack on this microbatch
       return given
+  remat = _remat(config.policy, path)
+  initializing = self.is_initializing()
+  if initializing and remat is not None and remat.group_size is not None:
+    # init is not differentiated, so the groups save nothing there, and
+    # their program rounds an initializer differently from the plain
+    # scan's (a few ulp under jit): init runs the plain scan's program.
+    remat = dataclasses.replace(remat, group_size=None)
   loop = dict(
       length=config.length, fold=fold, in_axes=axes,
-      rolled=config.mode == 'scan', unroll=config.unroll,
-      remat=_remat(config.policy, path),
+      rolled=config.mode == 'scan', unroll=config.unroll, remat=remat,
       metadata_params=config.metadata_params,
-      site=(block, fold, axes, config),
+      site=(block, fold, axes, config, initializing),
       explain=_Explain(path, block.__name__, fold, config.length),
       schedule=(None if pipeline is None else
                 pipelining.StackSchedule(pipeline, path)),
