@@ -71,9 +71,8 @@ def scan_with_broadcast(body, in_axes, out_axes, length, reverse, unroll,
   on that; ``rng_replay`` (an ``rng_counters.RngReplay``) then lets a
   repeated trace of the same site skip it anyway.
   """
-  out_broadcast = any(axis is broadcast for axis in jax.tree_util.tree_leaves(
-      out_axes, is_leaf=lambda x: x is broadcast))
-  first_trace = check_invariants and (writes_broadcast or out_broadcast)
+  out_broadcast = _any_broadcast(out_axes)
+  first_trace = runs_first_trace(out_axes, check_invariants, writes_broadcast)
   if out_broadcast and not check_invariants:
     raise ValueError('scan with check_constancy_invariants=False cannot '
                      'return outputs with out_axes=broadcast.')
@@ -111,6 +110,19 @@ def scan_with_broadcast(body, in_axes, out_axes, length, reverse, unroll,
     return trace_loop(None if out_broadcast else rng_replay, first, loop)
 
   return scan_loop
+
+
+def _any_broadcast(out_axes) -> bool:
+  return any(axis is broadcast for axis in jax.tree_util.tree_leaves(
+      out_axes, is_leaf=lambda x: x is broadcast))
+
+
+def runs_first_trace(out_axes, check_invariants: bool,
+                     writes_broadcast: bool) -> bool:
+  """Whether ``scan_with_broadcast`` (same arguments) traces the body once
+  before the loop: then the loop's body sees the rng counters that trace
+  left."""
+  return check_invariants and (writes_broadcast or _any_broadcast(out_axes))
 
 
 def _invariant_outputs(step, broadcast_in, init, xs, out_axes, explain):

@@ -48,7 +48,8 @@ from liftmods import errors
 from liftmods.core import meta
 from liftmods.core.autodiff import custom_vjp, jvp, value_and_grad, vjp
 from liftmods.core.axes_scan import (add_axis, check_carry, remove_axis,
-                                     scan_with_broadcast, slice_groups)
+                                     runs_first_trace, scan_with_broadcast,
+                                     slice_groups)
 from liftmods.core.filters import in_filter, intersect, is_empty, subtract
 from liftmods.core.frozen_dict import FrozenDict  # pylint: disable=unused-import
 from liftmods.core.layer_scan import layer_scan
@@ -367,19 +368,21 @@ def scan(fn: Callable[..., Any], variable_axes: Mapping = {},  # pylint: disable
     loop_axes = dict(in_axes=(var_in_axes, rng_axes, in_axes),
                      out_axes=(out_axes, var_out_axes))
 
+    writes_broadcast = mutable_broadcast or rngs_cross
+
     def looped(iterations, b_in, carry, *xs, replay=None):
       return scan_with_broadcast(
           body, **loop_axes, length=iterations, reverse=reverse,
           unroll=unroll, split_transpose=_split_transpose,
           check_invariants=check_constancy_invariants, explain=explain,
-          writes_broadcast=mutable_broadcast or rngs_cross,
+          writes_broadcast=writes_broadcast,
           rng_replay=replay)(b_in, carry, *xs)
 
     # As in the loop: broadcast variables come from a first trace, and the
     # iteration itself draws its keys at the rng counters that trace left.
-    two_traces = check_constancy_invariants and (
-        mutable_broadcast or rngs_cross or broadcast in
-        jax.tree_util.tree_leaves(out_axes))
+    two_traces = runs_first_trace(loop_axes['out_axes'],
+                                  check_constancy_invariants,
+                                  writes_broadcast)
 
     def first_iteration(b_in, carry, *xs):
       if two_traces:
