@@ -383,6 +383,14 @@ def test_gpipe_with_microbatches_smaller_than_the_data_axis_runs():
   assert _check_in_a_process(prog) == "('ok', '')"
 
 
+def _explicit_matches_auto(**program):
+  """The explicit family's check of one ``InitProgram``: values, gradients
+  and no more collective bytes than the Auto mesh."""
+  verdict, detail = spmd_family.check_explicit(
+      spmd_family.InitProgram(**program))
+  assert verdict == 'ok', detail
+
+
 @pytest.mark.parametrize('layers, rules, in_features', [
     # seed 2010: Dense_1's output features over ('data', 'model')
     ((('dense', 6, ('mlp', None)), ('dense', 16, ('heads', 'embed'))),
@@ -400,10 +408,8 @@ def test_explicit_weight_dimension_over_the_batch_axis_and_another_is_gathered(
   grow with the batch (Explicit 2,528 bytes against Auto's 1,308 at 64
   rows); the rule now gathers such a dimension whole, as the partitioner
   does on the Auto mesh."""
-  prog = spmd_family.InitProgram(layers=layers, rules=rules, mesh=1,
-                                 explicit=False, in_features=in_features)
-  verdict, detail = spmd_family.check_explicit(prog)
-  assert verdict == 'ok', detail
+  _explicit_matches_auto(layers=layers, rules=rules, mesh=1,
+                         explicit=False, in_features=in_features)
 
 
 @pytest.mark.xfail(strict=True, reason=(
@@ -414,12 +420,10 @@ def test_explicit_weight_dimension_over_the_batch_axis_and_another_is_gathered(
     'activation instead: 132 collective bytes against 24, the same at 64 '
     'and at 1,024 rows'))
 def test_explicit_norm_scale_split_where_the_activation_is_whole():
-  prog = spmd_family.InitProgram(
+  _explicit_matches_auto(
       layers=(('norm', 4, ('heads', 'mlp')),),
       rules=(('embed', 'data'), ('mlp', 'model')), mesh=2, explicit=True,
       in_features=8)
-  verdict, detail = spmd_family.check_explicit(prog)
-  assert verdict == 'ok', detail
 
 
 @pytest.mark.integration
@@ -442,11 +446,9 @@ def test_explicit_norm_scale_split_where_the_activation_is_whole():
      ('data', 'model'))])
 def test_explicit_kernel_over_an_explicit_axis_on_a_mixed_mesh(
     layers, rules, mesh, explicit_axes):
-  prog = spmd_family.InitProgram(
+  _explicit_matches_auto(
       layers=layers, rules=rules, mesh=mesh, explicit=True, in_features=8,
       explicit_axes=explicit_axes)
-  verdict, detail = spmd_family.check_explicit(prog)
-  assert verdict == 'ok', detail
 
 
 @pytest.mark.integration
@@ -458,13 +460,11 @@ def test_explicit_kernel_over_an_explicit_axis_on_a_mixed_mesh(
     "Auto mesh's 2,712 at 64 rows and 33,608 against 33,432 at 1,024 (a "
     'constant 176)'))
 def test_explicit_kernels_over_two_axes_the_batch_does_not_use():
-  prog = spmd_family.InitProgram(
+  _explicit_matches_auto(
       layers=(('dense', 8, ('embed', 'heads')), ('dense', 8, ('mlp', 'embed')),
               ('dense', 8, ('embed', 'mlp'))),
       rules=(('embed', 'x'), ('mlp', 'model'), ('heads', None)), mesh=3,
       explicit=True, in_features=8, explicit_axes=())
-  verdict, detail = spmd_family.check_explicit(prog)
-  assert verdict == 'ok', detail
 
 
 @pytest.mark.integration
