@@ -452,6 +452,7 @@ class _Forward:
 def _forward_stage(layout, stage, micro, fixed, mutable, keys, per_layer):
   """The forward loop on this stage: every microbatch through its layers."""
   fixed, mutable, keys, per_layer = _at((fixed, mutable, keys, per_layer), 0)
+  micro = _rows_split_evenly(micro)
   if layout.remat_iterations:
     # The backward pass keeps each iteration's input microbatch (not the
     # batch buffers the loop carries) and reruns the stage from it.
@@ -466,7 +467,39 @@ def _forward_stage(layout, stage, micro, fixed, mutable, keys, per_layer):
       loop.iteration, (_garbage(fill), micro, mutable),
       jnp.arange(iterations))
   buffer = loop.store(buffer, arrived, jnp.asarray(iterations))
-  return _lead(buffer), _lead(mutable)
+  return _lead(_rows_split_evenly(buffer)), _lead(mutable)
+
+
+def _rows_split_evenly(micro):
+  """Each ``(M, b, ...)`` leaf with its ``b`` rows split over the leading
+  Auto mesh axes whose sizes divide ``b`` and held whole on the others;
+  unconstrained where ``b`` divides over all of them.
+
+  Since jax 0.11, XLA's SPMD partitioner aborts the process (a failed
+  ``Check`` in ``spmd_partitioner_util.cc``) when it splits fewer rows than
+  devices, as a batch sharded over 4 devices in microbatches of 2 rows
+  asks, and differentiates the forward loop. The constraint makes that
+  layout impossible; a batch whose microbatches divide is left alone."""
+  mesh = jax.sharding.get_abstract_mesh()
+  auto = [(name, size) for name, size, kind in zip(
+      mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
+          if kind == jax.sharding.AxisType.Auto]
+
+  def constrain(a):
+    rows = a.shape[1]
+    if rows % int(np.prod([size for _, size in auto])) == 0:
+      return a
+    held, devices = [], 1
+    for name, size in auto:
+      if rows % (devices * size):
+        break
+      held.append(name)
+      devices *= size
+    spec = PartitionSpec(None, tuple(held) or None,
+                         *[PartitionSpec.UNCONSTRAINED] * (a.ndim - 2))
+    return lax.with_sharding_constraint(a, spec)
+
+  return tree_map(constrain, micro)
 
 
 # -- training schedules as tables ------------------------------------------------

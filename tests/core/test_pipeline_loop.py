@@ -286,3 +286,41 @@ def test_training_loops_read_each_microbatch_of_a_row_view(shape):
     got = jax.jit(lambda b: pipeline_loop._microbatch(  # b traced
         (view, shape[1:]), b, 3))(b)
     np.testing.assert_array_equal(got, want[b])
+
+
+def _row_constraints(axes, shape):
+  """The specs ``_rows_split_evenly`` constrains an ``(M, b, n)`` leaf to,
+  on an abstract mesh of the given ``(name, size, type)`` axes."""
+  names, sizes, types = zip(*axes)
+  mesh = jax.sharding.AbstractMesh(sizes, names, axis_types=types)
+  with jax.sharding.use_abstract_mesh(mesh):
+    jaxpr = jax.make_jaxpr(pipeline_loop._rows_split_evenly)(
+        {'x': jax.ShapeDtypeStruct(shape, jnp.float32)})
+  return [tuple(e.params['sharding'].spec) for e in jaxpr.eqns
+          if e.primitive.name == 'sharding_constraint']
+
+
+_MANUAL, _AUTO = jax.sharding.AxisType.Manual, jax.sharding.AxisType.Auto
+_FREE = jax.sharding.PartitionSpec.UNCONSTRAINED
+
+
+@pytest.mark.parametrize('axes, rows, held', [
+    # 2 rows over a data axis of 4: whole rows (the jax >= 0.11 abort)
+    ((('stage', 2, _MANUAL), ('data', 4, _AUTO)), 2, [(None, None, _FREE)]),
+    # 2 rows over data 2 × model 2: split over data, whole on model
+    ((('stage', 2, _MANUAL), ('data', 2, _AUTO), ('model', 2, _AUTO)), 2,
+     [(None, 'data', _FREE)]),
+    # 6 rows over data 2 × model 2: the leading axis that divides them
+    ((('stage', 2, _MANUAL), ('data', 2, _AUTO), ('model', 2, _AUTO)), 6,
+     [(None, 'data', _FREE)]),
+    # rows that divide over every Auto axis are left to the compiler
+    ((('stage', 2, _MANUAL), ('data', 4, _AUTO)), 8, []),
+    ((('stage', 2, _MANUAL), ('data', 2, _AUTO), ('model', 2, _AUTO)), 4, []),
+])
+def test_forward_loop_holds_rows_that_do_not_divide_whole(axes, rows, held):
+  """GPipe's forward loop with microbatches of fewer rows than the data
+  axes: XLA's SPMD partitioner (jax >= 0.11) aborts the process when it
+  splits them unevenly under jax.grad (pipeline fuzz seed 14032), so the
+  loop holds them on the leading Auto axes that divide them, and leaves
+  microbatches that divide alone."""
+  assert _row_constraints(axes, (2, rows, 3)) == held
