@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec
 
 from liftmods import call_context, errors, spmd
 from liftmods.call_context import split_arrays
-from liftmods.core import pipeline_loop
+from liftmods.core import explicit, pipeline_loop
 
 
 MODES = ('gpipe', '1f1b', 'zero_bubble')
@@ -262,7 +262,16 @@ class Pipeline:
       a = a.reshape(outer + (inner,) + rest)
       return jnp.swapaxes(a, 0, 1).reshape((length,) + rest)
 
-    return jax.tree_util.tree_map(move, tree)
+    def reorder(a):
+      if not _typed_split(a):
+        return move(a)
+      # On Explicit axes (a pipelined stack's gradients split over the stage
+      # axis) JAX cannot type the reshapes: the reordered array is laid out
+      # as the given one, the compiler moving the layers.
+      return explicit.as_first('Pipeline', 'a change of layer order', move,
+                               a)
+
+    return jax.tree_util.tree_map(reorder, tree)
 
   def resolve_mesh(self, path: str = ''):
     """The mesh to run on; a PipelineError when it lacks the stage axis or
@@ -283,6 +292,14 @@ class Pipeline:
           f'Stack at {path}: mesh axis {self.axis!r} has {size} devices, but '
           f'the pipeline has stages={self.stages}; they must be equal.')
     return mesh
+
+
+def _typed_split(a) -> bool:
+  """Whether ``a``'s type splits a dimension over (Explicit) mesh axes."""
+  if not isinstance(a, jax.Array):
+    return False
+  spec = getattr(getattr(jax.typeof(a), 'sharding', None), 'spec', None)
+  return any(entry is not None for entry in spec or ())
 
 
 # -- where a pipelined stack's variables live ----------------------------------------

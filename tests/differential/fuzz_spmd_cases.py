@@ -119,6 +119,31 @@ def test_pipeline_family_expects_the_documented_refusals(src, mutable,
   assert pipeline_family.refusal(prog)
 
 
+@pytest.mark.parametrize('axis_types', [('explicit', 'explicit'),
+                                        ('auto', 'explicit')])
+def test_pipeline_family_on_explicit_meshes(axis_types):
+  """The family draws Explicit and mixed meshes: a training schedule's
+  2-row microbatches over an Explicit data axis of 4 are refused with the
+  documented PipelineError, GPipe runs them, and gradients split over an
+  Explicit stage axis come back to the stack's layout (seeds 1000, 1002
+  and 1023 raised JAX's ShardingTypeError there)."""
+  src = _block('x = nn.Dense(4)(x)')
+  uneven = dict(src=src, stages=2, microbatches=2, repeats=1, per_chunk=1,
+                remat_iterations=False, policy='None', rows=2, sharded=True,
+                axis_types=axis_types)
+  verdict, detail = pipeline_family.check(
+      pipeline_family.Program(mode='1f1b', **uneven))
+  assert verdict == 'both_raise', detail
+  assert detail.startswith("PipelineError: Stack at /blocks: Pipeline("
+                           "mode='1f1b') gives each microbatch 2 rows")
+  assert pipeline_family.check(pipeline_family.Program(
+      mode='gpipe', **uneven)) == ('ok', '')
+  repeated = dict(uneven, microbatches=4, repeats=2, rows=4,
+                  axis_types=axis_types[::-1])
+  assert pipeline_family.check(pipeline_family.Program(
+      mode='1f1b', **repeated)) == ('ok', '')
+
+
 def test_pipeline_family_draws_impure_blocks():
   """Seeds 1000..1059 (the soak's) draw every kind of impure program."""
   drawn = [pipeline_family.draw(harness.RecordingChooser(seed))
@@ -128,6 +153,8 @@ def test_pipeline_family_draws_impure_blocks():
   assert any(p.mutable and not p.declared for p in drawn)
   assert any('intermediates' in p.mutable for p in drawn)
   assert any('state' in p.mutable and p.declared for p in drawn)
+  assert {p.axis_types for p in drawn} == {
+      t for t, _ in pipeline_family.AXIS_TYPES}
 
 
 # Seed 7051's block (jax 0.10.2): three Dense layers, an RMSNorm and a

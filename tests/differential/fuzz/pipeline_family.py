@@ -6,8 +6,8 @@ intermediates and a ``state`` variable), a Dense before and after the
 stack, and a random pipeline: stages ``S`` over a ``('stage', 'data')``
 mesh of the 8 devices, microbatches ``M``, ``repeats``, schedule
 (``gpipe``, ``1f1b``, ``zero_bubble``), ``remat_iterations``, the stack's
-policy, the rows per microbatch, and the batch replicated or sharded over
-``'data'``; for an impure block also ``train`` (dropout on, BatchNorm on
+policy, the rows per microbatch, the batch replicated or sharded over
+``'data'``, and the mesh's axis types (Auto, Explicit, or one of each); for an impure block also ``train`` (dropout on, BatchNorm on
 the batch's statistics), which of its collections the step makes mutable
 and whether the pipeline declares them ``per_microbatch``. The loss is a
 mean squared error; GPipe is differentiated with ``jax.value_and_grad``
@@ -37,7 +37,9 @@ What the pipeline documents that it refuses must be refused with its
 error: a mutable collection not declared ``per_microbatch``
 (``PipelineError`` naming it), and variables the blocks create rather than
 update (sown intermediates: ``PipelineError``, "can only update variables
-that already exist"). Such a program is ``both_raise``: the reference
+that already exist"), and, for a training schedule, a batch sharded over an
+Explicit ``'data'`` axis in microbatches whose rows do not divide over it
+(``PipelineError``, "the rows must divide evenly"). Such a program is ``both_raise``: the reference
 runs, the pipeline refuses as documented. The configurations are drawn
 valid but for ``REFUSED_PERCENT`` of them, drawn among those ``nn.Pipeline``
 or ``nn.Stack`` documents that it refuses (``construction_refusal``,
@@ -69,6 +71,10 @@ BLOCK_FEATURES.update({f: True for f in (
 # The collections an impure block may hold besides params, in the order
 # the generator's ops name them.
 STATE = ('batch_stats', 'intermediates', 'state')
+# The ('stage', 'data') mesh's axis types, Auto first (what a replay that
+# predates the draw gets), with their weights.
+AXIS_TYPES = ((('auto', 'auto'), 6), (('explicit', 'explicit'), 3),
+              (('auto', 'explicit'), 1), (('explicit', 'auto'), 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +93,7 @@ class Program:
     train: the block's ``train`` attribute (dropout, BatchNorm).
     mutable: the collections the step makes mutable.
     declared: the pipeline declares ``mutable`` as ``per_microbatch``.
+    axis_types: the types of the mesh's ``('stage', 'data')`` axes.
   """
   src: str
   stages: int
@@ -101,6 +108,14 @@ class Program:
   train: bool = False
   mutable: tuple = ()
   declared: bool = False
+  axis_types: tuple = ('auto', 'auto')
+
+  @property
+  def sharded_rows(self) -> bool:
+    """Whether the batch is put sharded over ``'data'``: drawn so, and its
+    rows divide over the axis."""
+    return (self.sharded and
+            self.rows * self.microbatches % (8 // self.stages) == 0)
 
 
 def draw(c: programs.Chooser) -> Program:
@@ -114,12 +129,12 @@ def draw(c: programs.Chooser) -> Program:
   config = _refused_config(c) if refused else _valid_config(c)
   prog = Program(src, **config, per_chunk=c.choice([1, 2]),
                  rows=c.choice([2, 1, 4, 3]), sharded=c.boolean(0.4))
-  if pure:
-    return prog
-  held = [col for col in STATE if col in info.cols]
-  mutable = tuple(col for col in held if c.boolean(0.5))
-  return dataclasses.replace(prog, train=c.boolean(0.7), mutable=mutable,
-                             declared=bool(mutable) and c.boolean(0.7))
+  if not pure:
+    held = [col for col in STATE if col in info.cols]
+    mutable = tuple(col for col in held if c.boolean(0.5))
+    prog = dataclasses.replace(prog, train=c.boolean(0.7), mutable=mutable,
+                               declared=bool(mutable) and c.boolean(0.7))
+  return dataclasses.replace(prog, axis_types=c.weighted(AXIS_TYPES))
 
 
 def _schedulable(mode: str, stages: int, repeats: int,
@@ -214,11 +229,16 @@ def refusal(prog: Program) -> str:
   """A regex of the documented error the pipeline must raise for
   ``prog``, or '' when it must run: a stack policy with
   ``remat_iterations``; a mutable collection not declared
-  ``per_microbatch``; sown intermediates (created, not updated). With
-  several, the pipeline may name any of them first."""
+  ``per_microbatch``; sown intermediates (created, not updated); a
+  training schedule's microbatches whose rows do not divide over the
+  Explicit axis the batch is sharded on. With several, the pipeline may
+  name any of them first."""
   if prog.policy != 'None' and prog.remat_iterations:
     return 'a stack policy on top would recompute every layer twice'
   found = []
+  if (prog.mode != 'gpipe' and prog.axis_types[1] == 'explicit' and
+      prog.sharded_rows and prog.rows % (8 // prog.stages)):
+    found.append('the rows must divide evenly')
   if set(prog.mutable) - {'intermediates'} and not prog.declared:
     found.append("collection '[a-z_]+' is mutable")
   if 'intermediates' in prog.mutable:
@@ -353,8 +373,9 @@ def check(prog: Program) -> tuple:
   block = programs.build(prog.src.replace('class Block', 'class Model'), nn)
   length = prog.stages * prog.repeats * prog.per_chunk
   policy = eval(prog.policy)  # pylint: disable=eval-used
+  kinds = {'auto': AxisType.Auto, 'explicit': AxisType.Explicit}
   mesh = jax.make_mesh((prog.stages, 8 // prog.stages), ('stage', 'data'),
-                       axis_types=(AxisType.Auto,) * 2)
+                       axis_types=tuple(kinds[t] for t in prog.axis_types))
   rows = prog.rows * prog.microbatches
   x = jax.random.normal(jax.random.key(1), (rows, programs.F))
   y = jax.random.normal(jax.random.key(2), (rows, 2))
@@ -376,7 +397,7 @@ def check(prog: Program) -> tuple:
              nn.pipeline.value_and_grad)
   try:
     with jax.set_mesh(mesh):
-      if prog.sharded and rows % (8 // prog.stages) == 0:
+      if prog.sharded_rows:
         x = jax.device_put(x, NamedSharding(mesh, P('data')))
         y = jax.device_put(y, NamedSharding(mesh, P('data')))
       loss_fn = _loss_of(model, prog)
