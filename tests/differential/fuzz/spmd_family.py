@@ -13,8 +13,11 @@ soak's worker, or a cases file run by ``multidevice.assert_cases_pass``).
   raise ``ShardingDivisibilityError``.
 - ``shard_map``: a random per-shard block (layers, optionally a ``pmean``
   over the batch axes) under ``nn.shard_map`` with a random mesh, batch
-  spec and ``axis_names`` subset, against a hand-written ``jax.shard_map``
-  of ``Block().apply`` on the same parameters: outputs and gradients
+  spec and ``axis_names`` subset, the block's own layers possibly under
+  ``nn.remat``, ``nn.scan`` or ``nn.remat_scan`` and the mapped module
+  possibly under ``nn.remat``, against a hand-written ``jax.shard_map``
+  of ``Block().apply`` on the same parameters (under ``jax.checkpoint``
+  where the map is under ``nn.remat``): outputs and gradients
   allclose, the same output sharding, and no more per-device flops
   (``cost_analysis``) than the hand-written one. Batches the mesh axes do
   not divide must raise a ``ValueError`` on both. The block may hold
@@ -219,7 +222,8 @@ class _null:  # pylint: disable=invalid-name
 BLOCK_FEATURES = {f: False for f in programs.FEATURES}
 BLOCK_FEATURES.update({f: True for f in (
     'dense', 'dense_general', 'layer_norm', 'rms_norm', 'activation',
-    'param', 'submodule', 'conv', 'dropout')})
+    'param', 'submodule', 'conv', 'dropout', 'remat', 'scan',
+    'remat_scan')})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +238,7 @@ class MapProgram:
   batch: int
   train: bool = False
   split: bool | str = False  # split_rngs of the 'dropout' sequence
+  remat: bool = False  # the mapped module under nn.remat
 
 
 def draw_map(c: programs.Chooser) -> MapProgram:
@@ -254,7 +259,8 @@ def draw_map(c: programs.Chooser) -> MapProgram:
   train = c.boolean(0.5)
   split = c.choice((False, True) + tuple(sorted(usable)))
   return MapProgram('\n\n'.join(gen.classes) + '\n', mesh, explicit,
-                    batch_axes, manual, pmean, batch, train, split)
+                    batch_axes, manual, pmean, batch, train, split,
+                    remat=c.boolean(0.3))
 
 
 def _per_shard(block, prog):
@@ -340,8 +346,19 @@ def check_map(prog: MapProgram) -> tuple:
                           axis_names=prog.manual)(
                               block(train=prog.train, name='block'), x)
 
+  if prog.remat:
+    Mapped = nn.remat(Mapped)  # pylint: disable=invalid-name
   rngs = {'params': jax.random.key(0), 'dropout': drop_key}
-  ref_vars = jax.jit(lambda: Ref().init(rngs, x[:1]))()
+  try:
+    ref_vars = jax.jit(lambda: Ref().init(rngs, x[:1]))()
+  except Exception as e:  # pylint: disable=broad-except
+    # A block that cannot initialize (a scan writing a broadcast
+    # collection) must fail the same way through the map.
+    got = _outcome(lambda: Mapped().init(rngs, x), mesh)
+    if isinstance(got, Exception) and type(got) is type(e):
+      return 'both_raise', f'init: {type(e).__name__}'
+    return 'mismatch', (f'the unmapped init raised {type(e).__name__}; '
+                        f'through the map: {got!r:.300}')
   params = ref_vars.get('params', {})
 
   def ours(p, x):
@@ -353,8 +370,9 @@ def check_map(prog: MapProgram) -> tuple:
     body = lambda p, x: per_shard(lambda x: Ref().apply(
         {'params': p}, x,
         rngs={'dropout': _shard_key(drop_key, mesh, split_over)}), x)
-    return jax.shard_map(body, mesh=mesh, in_specs=(P(), spec),
-                         out_specs=spec, axis_names=names)(p, x)
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), spec),
+                           out_specs=spec, axis_names=names)
+    return (jax.checkpoint(mapped) if prog.remat else mapped)(p, x)
 
   results = []
   for fn in (ours, theirs):
