@@ -530,12 +530,17 @@ def while_loop(cond_fn: Callable[..., Any], body_fn: Callable[..., Any],
 
   def create(make_scopes, repack_fn, variable_groups, rng_groups):
     del repack_fn  # only the created variables go out
-    inner_scope = make_scopes(variable_groups, rng_groups)
+    is_scope = lambda x: isinstance(x, Scope)
+    cond_scope = make_scopes(variable_groups, rng_groups)
+    # The body sees what the condition created, on scopes with their names
+    # free again: a module's setup runs once for each, as in the loop.
+    body_scope = jax.tree_util.tree_map(lambda s: s.rewound(), cond_scope,
+                                        is_leaf=is_scope)
     with created_variables() as created:
-      cond_fn(inner_scope, init)
-      body_fn(inner_scope, init)
-    for leaf in jax.tree_util.tree_leaves(
-        inner_scope, is_leaf=lambda x: isinstance(x, Scope)):
+      cond_fn(cond_scope, init)
+      body_fn(body_scope, init)
+    for leaf in jax.tree_util.tree_leaves((cond_scope, body_scope),
+                                          is_leaf=is_scope):
       leaf.root.invalidate()
     return None, _created_groups(created, outer_scopes(make_scopes),
                                  carry_variables)

@@ -627,3 +627,45 @@ def test_while_loop_that_never_runs_still_creates_its_variables():
   assert_identical(out, X)
   assert int(variables['state']['n']) == 0
   assert variables['params']['d']['kernel'].shape == (3, 3)
+
+
+def _setup_param_loop(nn, python=False, sow=False):
+  class Looper(nn.Module):
+    def setup(self):
+      self.w = self.param('w', nn.initializers.lecun_normal(), (3, 3))
+
+    def __call__(self, x):
+      def body(mdl, c):
+        if sow:
+          mdl.sow('intermediates', 'h', c[1])
+        return c[0] + 1, c[1] @ mdl.w
+      if python:
+        carry = (0, x)
+        while carry[0] < 2:
+          carry = body(self, carry)
+        return carry[1]
+      return nn.while_loop(lambda mdl, c: c[0] < 2, body, self, (0, x),
+                           carry_variables='intermediates')[1]
+  return Looper()
+
+
+def test_while_loop_sowing_into_its_carry_says_so_with_a_setup_param():
+  """Found by the linen fuzz family (seed 53337, jax 0.12): a sow into the
+  carried collection sends the loop to its run before the loop, which ran
+  the condition and the body on one scope, so a module whose setup
+  declares a parameter declared it twice there: NameInUseError, about a
+  name nobody reused. The body now runs on the same variables with its
+  names free, as in the loop, and the error is the documented one (Linen
+  raises JAX's TypeError: the carry changes structure)."""
+  got, variables = jax.jit(_setup_param_loop(lnn).init_with_output)(KEY, X)
+  want, want_variables = _setup_param_loop(fnn).init_with_output(KEY, X)
+  assert_identical((got, variables), (want, plain(want_variables)))
+  python = _setup_param_loop(lnn, python=True).apply(variables, X)
+  assert_identical(_setup_param_loop(lnn).apply(variables, X), python)
+  with pytest.raises(TypeError, match='same pytree structure'):
+    _setup_param_loop(fnn, sow=True).apply(variables, X,
+                                           mutable='intermediates')
+  with pytest.raises(lnn.errors.WhileLoopInitError,
+                     match='a sow adds on every iteration'):
+    _setup_param_loop(lnn, sow=True).apply(variables, X,
+                                           mutable='intermediates')
