@@ -20,6 +20,13 @@ sharded on both sides gives the reduced result laid out by the rule; the
 next logical constraint then lays it out as the model says. Where JAX can
 infer a sharding, the rule gives the sharding JAX would infer.
 
+A contraction over a dimension the activation splits over other mesh axes
+than the weight is aligned first (``_contraction_aligned``): a weight
+held whole there is sliced as the activation, and the product summed over
+those axes, where the summed output is smaller than the gathered
+activation; otherwise the activation is gathered. Done in the program JAX
+differentiates, the backward pass reuses what the forward pass moved.
+
 Weights applied elementwise (biases, normalisation scales) take the
 activation's sharding on the dimensions they share with it: ``match``.
 
@@ -36,6 +43,7 @@ P('data', None)
 P('data', None)
 """
 import functools
+import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -227,6 +235,7 @@ def dot_general(where, lhs, rhs, dimension_numbers, *,
   if mesh is None:
     return op(lhs, rhs, dimension_numbers, **kwargs)
   l, r, out = _dot_labels(jnp.ndim(lhs), jnp.ndim(rhs), dimension_numbers)
+  lhs, rhs = _contraction_aligned(lhs, rhs, (l, r), mesh, out)
   if out_sharding is None:
     spec = out_spec(out, [(l, spec_of(lhs)), (r, spec_of(rhs))])
   else:
@@ -234,6 +243,63 @@ def dot_general(where, lhs, rhs, dimension_numbers, *,
   fn = functools.partial(op, dimension_numbers=dimension_numbers, **kwargs)
   return run(where, 'dot_general', fn, (lhs, rhs), spec, mesh,
              native=_native(op, lax.dot_general))
+
+
+def _contraction_aligned(lhs, rhs, labels, mesh, out_labels):
+  """``(lhs, rhs)`` with each dimension they contract split alike: where
+  the activation ``lhs`` splits one over mesh axes the weight ``rhs`` does
+  not, either the weight is split as the activation (a local slice of a
+  replicated weight; the product is then summed over those axes) or the
+  activation is gathered whole, whichever moves fewer bytes (the summed
+  output against the gathered activation). A weight split otherwise, or
+  split where the activation is whole (FSDP), is left to the partitioner.
+
+  The partitioner moves the same data for the product anyway; moved here,
+  in the program JAX differentiates, the backward pass reuses it where a
+  collective inside the product would be done again."""
+  (l, r), lhs_spec, rhs_spec = labels, list(spec_of(lhs)), list(spec_of(rhs))
+  where_r = {label: j for j, label in enumerate(r)}
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  used_r = {a for entry in rhs_spec for a in _axes(entry)}
+  for i, label in enumerate(l):
+    axes = _axes(lhs_spec[i])
+    j = where_r.get(label)
+    if label in out_labels or j is None or not axes or (
+        _axes(rhs_spec[j]) == axes):
+      continue
+    if not _axes(rhs_spec[j]) and not used_r.intersection(axes) and (
+        _summed_is_smaller(lhs, lhs_spec, axes, l, out_labels, rhs, r,
+                           sizes)):
+      rhs_spec[j] = lhs_spec[i]
+      used_r.update(axes)
+    else:
+      lhs_spec[i] = None
+  lhs = _resharded(lhs, lhs_spec, mesh)
+  return lhs, _resharded(rhs, rhs_spec, mesh)
+
+
+def _summed_is_smaller(lhs, lhs_spec, axes, l, out_labels, rhs, r, sizes):
+  """Whether summing the product over ``axes`` moves fewer elements per
+  device than gathering the activation over them: the output's shard
+  (its activation dimensions as the activation splits them, its weight
+  dimensions as the weight does) against the activation's shard times the
+  axes' size."""
+  split = lambda entry: math.prod(sizes[a] for a in _axes(entry))
+  gathered = math.prod(n // split(e) for n, e in zip(jnp.shape(lhs),
+                                                     lhs_spec))
+  gathered *= math.prod(sizes[a] for a in axes)
+  rhs_spec = spec_of(rhs)
+  summed = math.prod(n // split(e) for n, e, label in zip(
+      jnp.shape(lhs), lhs_spec, l) if label in out_labels)
+  summed *= math.prod(n // split(e) for n, e, label in zip(
+      jnp.shape(rhs), rhs_spec, r) if label in out_labels and label not in l)
+  return summed < gathered
+
+
+def _resharded(x, spec, mesh):
+  if list(spec) == list(spec_of(x)):
+    return x
+  return jax.sharding.reshard(x, _sharding(mesh, PartitionSpec(*spec)))
 
 
 def _einsum_labels(subscripts: str, ndims: Sequence[int]):
