@@ -149,6 +149,9 @@ def _read_lines(proc, timeout):
       yield line.decode()
 
 
+_VERDICTS = ('ok', 'both_raise', 'hang', 'mismatch')
+
+
 class _Tally:
   """Counts, failures and time of one family."""
 
@@ -170,7 +173,8 @@ class _Tally:
   def summary(self):
     lines = [f'{self.name}: {self.done} programs, '
              f'{self.done / max(self.seconds, 1e-9):.2f}/s of checking']
-    for verdict in ('ok', 'both_raise', 'hang', 'mismatch'):
+    others = sorted(set(self.counts) - set(_VERDICTS))  # linen_fails
+    for verdict in _VERDICTS + tuple(others):
       lines.append(f'  {verdict:<12}{self.counts[verdict]:>6}')
     for detail, n in sorted(self.raised.items(), key=lambda kv: -kv[1]):
       lines.append(f'    both raised {detail}: {n}')

@@ -124,3 +124,16 @@ def test_shrink_reports_each_run():
   family = _toy_family(lambda p: p[0] >= 3)
   harness.shrink(family, [8, 7], 'mismatch', progress=seen.append)
   assert seen and seen == list(range(1, len(seen) + 1))
+
+
+def test_the_soak_summary_counts_every_verdict():
+  """The per-family summary lists Linen's own failures (programs liftmods
+  runs on purpose) beside the four verdicts every family has."""
+  from benchmarks import fuzz  # pylint: disable=g-import-not-at-top
+  tally = fuzz._Tally('linen')  # pylint: disable=protected-access
+  for verdict in ('ok', 'ok', 'linen_fails', 'both_raise'):
+    tally.add({'seed': 0, 'verdict': verdict, 'detail': 'x', 'seconds': 1})
+  lines = tally.summary().splitlines()
+  assert lines[1:6] == ['  ok               2', '  both_raise       1',
+                        '  hang             0', '  mismatch         0',
+                        '  linen_fails      1']
