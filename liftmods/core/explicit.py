@@ -251,8 +251,9 @@ def _contraction_aligned(lhs, rhs, labels, mesh, out_labels):
   not, either the weight is split as the activation (a local slice of a
   replicated weight; the product is then summed over those axes) or the
   activation is gathered whole, whichever moves fewer bytes (the summed
-  output against the gathered activation). A weight split otherwise, or
-  split where the activation is whole (FSDP), is left to the partitioner.
+  output against the gathered activation); where the weight splits it over
+  other axes, the activation is gathered. A weight split where the
+  activation is whole (FSDP) is left to the partitioner.
 
   The partitioner moves the same data for the product anyway; moved here,
   in the program JAX differentiates, the backward pass reuses it where a
@@ -336,6 +337,7 @@ def einsum(where, subscripts: str, lhs, rhs, *,
   if mesh is None or '->' not in subscripts:
     return op(subscripts, lhs, rhs, **kwargs)
   (l, r), out = _einsum_labels(subscripts, (jnp.ndim(lhs), jnp.ndim(rhs)))
+  lhs, rhs = _contraction_aligned(lhs, rhs, (l, r), mesh, out)
   if out_sharding is None:
     spec = out_spec(out, [(l, spec_of(lhs)), (r, spec_of(rhs))])
   else:
