@@ -250,10 +250,11 @@ def _contraction_aligned(lhs, rhs, labels, mesh, out_labels):
   the activation ``lhs`` splits one over mesh axes the weight ``rhs`` does
   not, either the weight is split as the activation (a local slice of a
   replicated weight; the product is then summed over those axes) or the
-  activation is gathered whole, whichever moves fewer bytes (the summed
-  output against the gathered activation); where the weight splits it over
-  other axes, the activation is gathered. A weight split where the
-  activation is whole (FSDP) is left to the partitioner.
+  activation is gathered whole, whichever moves fewer elements per device
+  (the summed output's shard against the gathered activation's); where
+  the weight splits it over other axes, the activation is gathered. A
+  weight split where the activation is whole (FSDP) is left to the
+  partitioner.
 
   The partitioner moves the same data for the product anyway; moved here,
   in the program JAX differentiates, the backward pass reuses it where a
@@ -268,37 +269,32 @@ def _contraction_aligned(lhs, rhs, labels, mesh, out_labels):
     if label in out_labels or j is None or not axes or (
         _axes(rhs_spec[j]) == axes):
       continue
-    if not _axes(rhs_spec[j]) and not used_r.intersection(axes) and (
-        _summed_is_smaller(lhs, lhs_spec, axes, l, out_labels, rhs, r,
-                           sizes)):
+    gathered = (_shard_size(jnp.shape(lhs), lhs_spec, sizes) *
+                math.prod(sizes[a] for a in axes))
+    summed = (_shard_size(jnp.shape(lhs), lhs_spec, sizes,
+                          [x in out_labels for x in l]) *
+              _shard_size(jnp.shape(rhs), rhs_spec, sizes,
+                          [x in out_labels and x not in l for x in r]))
+    if (not _axes(rhs_spec[j]) and not used_r.intersection(axes) and
+        summed < gathered):
       rhs_spec[j] = lhs_spec[i]
       used_r.update(axes)
     else:
       lhs_spec[i] = None
-  lhs = _resharded(lhs, lhs_spec, mesh)
-  return lhs, _resharded(rhs, rhs_spec, mesh)
+  return _resharded(lhs, lhs_spec, mesh), _resharded(rhs, rhs_spec, mesh)
 
 
-def _summed_is_smaller(lhs, lhs_spec, axes, l, out_labels, rhs, r, sizes):
-  """Whether summing the product over ``axes`` moves fewer elements per
-  device than gathering the activation over them: the output's shard
-  (its activation dimensions as the activation splits them, its weight
-  dimensions as the weight does) against the activation's shard times the
-  axes' size."""
-  split = lambda entry: math.prod(sizes[a] for a in _axes(entry))
-  gathered = math.prod(n // split(e) for n, e in zip(jnp.shape(lhs),
-                                                     lhs_spec))
-  gathered *= math.prod(sizes[a] for a in axes)
-  rhs_spec = spec_of(rhs)
-  summed = math.prod(n // split(e) for n, e, label in zip(
-      jnp.shape(lhs), lhs_spec, l) if label in out_labels)
-  summed *= math.prod(n // split(e) for n, e, label in zip(
-      jnp.shape(rhs), rhs_spec, r) if label in out_labels and label not in l)
-  return summed < gathered
+def _shard_size(shape, spec, sizes, kept=None) -> int:
+  """Elements per device of an array laid out as ``spec``, counting only
+  the dimensions ``kept`` marks (all by default)."""
+  kept = [True] * len(shape) if kept is None else kept
+  return math.prod(n // math.prod(sizes[a] for a in _axes(entry))
+                   for n, entry, keep in zip(shape, spec, kept) if keep)
 
 
 def _resharded(x, spec, mesh):
-  if list(spec) == list(spec_of(x)):
+  """``x`` laid out as ``spec`` on ``mesh``; ``x`` where it already is."""
+  if tuple(spec) == spec_of(x):
     return x
   return jax.sharding.reshard(x, _sharding(mesh, PartitionSpec(*spec)))
 
@@ -483,9 +479,7 @@ def layout_as(x, ref):
   (``dynamic_update_slice`` wants one layout for both) takes the buffer's.
   ``x`` as it is off Explicit axes."""
   mesh = explicit_mesh(ref, x)
-  if mesh is None or spec_of(x) == spec_of(ref):
-    return x
-  return jax.sharding.reshard(x, _sharding(mesh, PartitionSpec(*spec_of(ref))))
+  return x if mesh is None else _resharded(x, spec_of(ref), mesh)
 
 
 def unshard_leading(xs):
