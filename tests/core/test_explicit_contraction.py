@@ -1,0 +1,60 @@
+"""The Explicit-mesh rule's alignment of a contraction
+(``core.explicit._contraction_aligned``), read off the traced program on an
+abstract mesh: ``dot_general`` and ``einsum`` take the same layouts."""
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from liftmods.core import explicit
+
+MESH = AbstractMesh((2, 4), ('data', 'model'),
+                    axis_types=(AxisType.Explicit,) * 2)
+
+
+def _typed(shape, spec):
+  return jax.ShapeDtypeStruct(shape, jnp.float32,
+                              sharding=NamedSharding(MESH, spec))
+
+
+def _reshards(fn, lhs, rhs):
+  """The specs the traced ``fn(lhs, rhs)`` reshards its operands to."""
+  with jax.sharding.use_abstract_mesh(MESH):
+    jaxpr = jax.make_jaxpr(fn)(lhs, rhs)
+  return [tuple(e.params['dst_sharding'].spec) for e in jaxpr.eqns
+          if e.primitive.name == 'reshard']
+
+
+def _dot(lhs, rhs):
+  return explicit.dot_general('test', lhs, rhs, (([1], [0]), ([], [])))
+
+
+def _einsum(lhs, rhs):
+  return explicit.einsum('test', 'be,ef->bf', lhs, rhs)
+
+
+@pytest.mark.parametrize('product', [_dot, _einsum])
+@pytest.mark.parametrize('features, out, want', [
+    # 16 features over model into a replicated 16 x 4 kernel: summing the
+    # 4 outputs moves less than gathering the 16 inputs, so the kernel is
+    # sliced as the activation (seed 55234)
+    (16, 4, [('model', None)]),
+    # into a 16 x 64 kernel: the activation is gathered (seed 55043)
+    (16, 64, [('data', None)]),
+])
+def test_contraction_split_on_the_activation_only_is_aligned(
+    product, features, out, want):
+  lhs = _typed((64, features), P('data', 'model'))
+  rhs = _typed((features, out), P(None, None))
+  assert _reshards(product, lhs, rhs) == want
+
+
+@pytest.mark.parametrize('product', [_dot, _einsum])
+def test_contractions_split_alike_or_fsdp_are_left_alone(product):
+  """Both sides split alike (row-parallel), or only the weight split (FSDP,
+  which the partitioner gathers): nothing is resharded before the product."""
+  split = _typed((64, 16), P('data', 'model'))
+  assert _reshards(product, split, _typed((16, 4), P('model', None))) == []
+  whole = _typed((64, 16), P('data', None))
+  assert _reshards(product, whole, _typed((16, 4), P('model', None))) == []
