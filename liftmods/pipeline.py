@@ -263,7 +263,7 @@ class Pipeline:
       return jnp.swapaxes(a, 0, 1).reshape((length,) + rest)
 
     def reorder(a):
-      if not _typed_split(a):
+      if explicit.explicit_mesh(a) is None or not any(explicit.spec_of(a)):
         return move(a)
       # On Explicit axes (a pipelined stack's gradients split over the stage
       # axis) JAX cannot type the reshapes: the reordered array is laid out
@@ -294,14 +294,9 @@ class Pipeline:
     return mesh
 
 
-def _typed_split(a) -> bool:
-  """Whether ``a``'s type splits a dimension over (Explicit) mesh axes."""
-  if not isinstance(a, jax.Array):
-    return False
-  spec = getattr(getattr(jax.typeof(a), 'sharding', None), 'spec', None)
-  return any(entry is not None for entry in spec or ())
-
-
+    def reorder(a):
+      if explicit.explicit_mesh(a) is None or not any(explicit.spec_of(a)):
+        return move(a)
 # -- where a pipelined stack's variables live ----------------------------------------
 
 
