@@ -155,6 +155,9 @@ def test_pipeline_family_draws_impure_blocks():
   assert any('state' in p.mutable and p.declared for p in drawn)
   assert {p.axis_types for p in drawn} == {
       t for t, _ in pipeline_family.AXIS_TYPES}
+  # A replay recorded before the mesh's axis types were drawn gets Auto.
+  assert pipeline_family.draw(
+      harness.ReplayChooser([])).axis_types == ('auto', 'auto')
 
 
 # Seed 7051's block (jax 0.10.2): three Dense layers, an RMSNorm and a
@@ -538,22 +541,6 @@ def test_explicit_kernel_over_an_explicit_axis_on_a_mixed_mesh(
       explicit_axes=explicit_axes)
 
 
-@pytest.mark.integration
-@pytest.mark.xfail(strict=True, reason=(
-    'found by the explicit family (seed 33108 on jax 0.10.2, shrunk; 0.12 '
-    'alike): three Dense layers on an all-Explicit (data 2, model 2, x 2) '
-    "mesh, kernels over 'x' and 'model' (embed to x, mlp to model), the "
-    "batch on 'data': the step moves 2,888 collective bytes against the "
-    "Auto mesh's 2,712 at 64 rows and 33,608 against 33,432 at 1,024 (a "
-    'constant 176)'))
-def test_explicit_kernels_over_two_axes_the_batch_does_not_use():
-  _explicit_matches_auto(
-      layers=(('dense', 8, ('embed', 'heads')), ('dense', 8, ('mlp', 'embed')),
-              ('dense', 8, ('embed', 'mlp'))),
-      rules=(('embed', 'x'), ('mlp', 'model'), ('heads', None)), mesh=3,
-      explicit=True, in_features=8, explicit_axes=())
-
-
 def test_explicit_family_says_whether_the_excess_grows_with_the_batch():
   """A step that moves more bytes than the Auto mesh's is measured again
   at 1,024 rows, and the report says whether the excess is weight-sized
@@ -568,40 +555,58 @@ def test_explicit_family_says_whether_the_excess_grows_with_the_batch():
   assert detail.endswith('(the excess is the same)')
 
 
-@pytest.mark.integration
-@pytest.mark.xfail(strict=True, reason=(
-    'found by the explicit family (seed 55010 on jax 0.10.2, and the '
-    'program seed 33108 draws now): a weight split over a mesh axis on the '
-    'dimension it contracts (FSDP over an axis the batch does not use) '
-    'while the activation holds that dimension whole. The weight is '
-    'gathered (a constant cost), but on Explicit axes the activation\'s '
-    'gradient has the activation\'s type, whole, so the backward pass '
-    'reduces or gathers all of it, where the Auto partitioner keeps it '
-    'split until the layer before: 1,904 bytes against 1,392 at 64 rows, '
-    '24,944 against 20,592 at 1,024'))
-def test_explicit_weight_split_on_its_contraction_with_a_whole_activation():
-  _explicit_matches_auto(
-      layers=(('norm', 6, ('embed', 'mlp')), ('norm', 16, ('heads', 'mlp')),
-              ('dense', 4, ('mlp', 'embed'))),
-      rules=(('embed', 'x'), ('mlp', 'model'), ('heads', None)), mesh=3,
-      explicit=True, in_features=8, explicit_axes=('model', 'x'))
+def _open_class(name, reason, **program):
+  return pytest.param(program, id=name, marks=pytest.mark.xfail(
+      strict=True, reason='found by the explicit family ' + reason))
 
 
 @pytest.mark.integration
-@pytest.mark.xfail(strict=True, reason=(
-    'found by the explicit family (seed 68174 on jax 0.12; 0.10.2 alike): '
-    "on a mixed mesh (data Auto, model Explicit) a kernel whose output "
-    "features go over ('data', 'model'): the type shows only 'model', so "
-    'the rule cannot see that the batch holds data and splits the '
-    'activation\'s features over model (tensor parallelism), which the next '
-    'Dense gathers; the Auto mesh gathers the weight over both axes '
-    'instead: 1,164 bytes against 868 at 64 rows, 8,844 against 868 at '
-    '1,024. All-Explicit meshes gather it whole (seeds 2010, 2017, 3114)'))
-def test_mixed_mesh_weight_over_an_auto_batch_axis_and_an_explicit_one():
-  _explicit_matches_auto(
-      layers=(('dense', 8, (None, 'embed')), ('dense', 8, ('mlp', None))),
-      rules=(('embed', ('data', 'model')), ('heads', ('data', 'model'))),
-      mesh=1, explicit=True, in_features=8, explicit_axes=('model',))
+@pytest.mark.parametrize('program', [
+    _open_class(
+        'kernels_over_two_axes_the_batch_does_not_use',
+        '(seed 33108 on jax 0.10.2, shrunk; 0.12 alike): three Dense layers '
+        "on an all-Explicit (data 2, model 2, x 2) mesh, kernels over 'x' "
+        "and 'model' (embed to x, mlp to model), the batch on 'data': the "
+        "step moves 2,888 collective bytes against the Auto mesh's 2,712 at "
+        '64 rows and 33,608 against 33,432 at 1,024 (a constant 176)',
+        layers=(('dense', 8, ('embed', 'heads')),
+                ('dense', 8, ('mlp', 'embed')),
+                ('dense', 8, ('embed', 'mlp'))),
+        rules=(('embed', 'x'), ('mlp', 'model'), ('heads', None)), mesh=3,
+        explicit_axes=()),
+    _open_class(
+        'weight_split_on_its_contraction_with_a_whole_activation',
+        '(seed 55010 on jax 0.10.2, and the program seed 33108 draws now): '
+        'a weight split over a mesh axis on the dimension it contracts (FSDP '
+        'over an axis the batch does not use) while the activation holds '
+        'that dimension whole. The weight is gathered (a constant cost), but '
+        "on Explicit axes the activation's gradient has the activation's "
+        'type, whole, so the backward pass reduces or gathers all of it, '
+        'where the Auto partitioner keeps it split until the layer before: '
+        '1,904 bytes against 1,392 at 64 rows, 24,944 against 20,592 at '
+        '1,024',
+        layers=(('norm', 6, ('embed', 'mlp')), ('norm', 16, ('heads', 'mlp')),
+                ('dense', 4, ('mlp', 'embed'))),
+        rules=(('embed', 'x'), ('mlp', 'model'), ('heads', None)), mesh=3,
+        explicit_axes=('model', 'x')),
+    _open_class(
+        'mixed_mesh_weight_over_an_auto_batch_axis_and_an_explicit_one',
+        '(seed 68174 on jax 0.12; 0.10.2 alike): on a mixed mesh (data Auto, '
+        "model Explicit) a kernel whose output features go over ('data', "
+        "'model'): the type shows only 'model', so the rule cannot see that "
+        "the batch holds data and splits the activation's features over "
+        'model (tensor parallelism), which the next Dense gathers; the Auto '
+        'mesh gathers the weight over both axes instead: 1,164 bytes against '
+        '868 at 64 rows, 8,844 against 868 at 1,024. All-Explicit meshes '
+        'gather it whole (seeds 2010, 2017, 3114)',
+        layers=(('dense', 8, (None, 'embed')), ('dense', 8, ('mlp', None))),
+        rules=(('embed', ('data', 'model')), ('heads', ('data', 'model'))),
+        mesh=1, explicit_axes=('model',)),
+])
+def test_explicit_open_class(program):
+  """The explicit family's open classes: each must move no more collective
+  bytes than the Auto mesh, and does not yet (what it moves: the reason)."""
+  _explicit_matches_auto(explicit=True, in_features=8, **program)
 
 
 @pytest.mark.integration
