@@ -7,8 +7,9 @@ stack, and a random pipeline: stages ``S`` over a ``('stage', 'data')``
 mesh of the 8 devices, microbatches ``M``, ``repeats``, schedule
 (``gpipe``, ``1f1b``, ``zero_bubble``), ``remat_iterations``, the stack's
 policy, the rows per microbatch, the batch replicated or sharded over
-``'data'``, and the mesh's axis types (Auto, Explicit, or one of each); for an impure block also ``train`` (dropout on, BatchNorm on
-the batch's statistics), which of its collections the step makes mutable
+``'data'``, and the mesh's axis types (Auto, Explicit, or one of each);
+for an impure block also ``train`` (dropout on, BatchNorm on the batch's
+statistics), which of its collections the step makes mutable
 and whether the pipeline declares them ``per_microbatch``. The loss is a
 mean squared error; GPipe is differentiated with ``jax.value_and_grad``
 and the training schedules with ``nn.pipeline.value_and_grad``, every step
@@ -39,13 +40,14 @@ error: a mutable collection not declared ``per_microbatch``
 update (sown intermediates: ``PipelineError``, "can only update variables
 that already exist"), and, for a training schedule, a batch sharded over an
 Explicit ``'data'`` axis in microbatches whose rows do not divide over it
-(``PipelineError``, "the rows must divide evenly"). Such a program is ``both_raise``: the reference
-runs, the pipeline refuses as documented. The configurations are drawn
-valid but for ``REFUSED_PERCENT`` of them, drawn among those ``nn.Pipeline``
-or ``nn.Stack`` documents that it refuses (``construction_refusal``,
-``refusal``), which must raise the ``ValueError`` saying so. Any other
-exception, a refusal of a program the pipeline should run, or a program
-run that it should refuse, is a mismatch; a hang is a failure.
+(``PipelineError``, "the rows must divide evenly"). Such a program is
+``both_raise``: the reference runs, the pipeline refuses as documented.
+The configurations are drawn valid but for ``REFUSED_PERCENT`` of them,
+drawn among those ``nn.Pipeline`` or ``nn.Stack`` documents that it
+refuses (``construction_refusal``, ``refusal``), which must raise the
+``ValueError`` saying so. Any other exception, a refusal of a program the
+pipeline should run, or a program run that it should refuse, is a
+mismatch; a hang is a failure.
 """
 import dataclasses
 import re
