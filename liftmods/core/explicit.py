@@ -24,8 +24,11 @@ A contraction over a dimension the activation splits over other mesh axes
 than the weight is aligned first (``_contraction_aligned``): a weight
 held whole there is sliced as the activation, and the product summed over
 those axes, where the summed output is smaller than the gathered
-activation; otherwise the activation is gathered. Done in the program JAX
-differentiates, the backward pass reuses what the forward pass moved.
+activation; otherwise the activation is gathered. One the weight splits
+over other axes is split as the weight instead (an all-to-all), or gathered
+where the activation's other dimensions hold those axes. Done in the
+program JAX differentiates, the backward pass reuses what the forward pass
+moved.
 
 Weights applied elementwise (biases, normalisation scales) take the
 activation's sharding on the dimensions they share with it: ``match``.
@@ -252,9 +255,10 @@ def _contraction_aligned(lhs, rhs, labels, mesh, out_labels):
   replicated weight; the product is then summed over those axes) or the
   activation is gathered whole, whichever moves fewer elements per device
   (the summed output's shard against the gathered activation's); where
-  the weight splits it over other axes, the activation is gathered. A
-  weight split where the activation is whole (FSDP) is left to the
-  partitioner.
+  the weight splits it over other axes, the activation is split as the
+  weight (an all-to-all, each device keeping as many elements) unless its
+  other dimensions use those axes, and gathered then. A weight split
+  where the activation is whole (FSDP) is left to the partitioner.
 
   The partitioner moves the same data for the product anyway; moved here,
   in the program JAX differentiates, the backward pass reuses it where a
@@ -275,10 +279,15 @@ def _contraction_aligned(lhs, rhs, labels, mesh, out_labels):
                           [x in out_labels for x in l]) *
               _shard_size(jnp.shape(rhs), rhs_spec, sizes,
                           [x in out_labels and x not in l for x in r]))
-    if (not _axes(rhs_spec[j]) and not used_r.intersection(axes) and
+    weight_axes = _axes(rhs_spec[j])
+    others = {a for k, entry in enumerate(lhs_spec) if k != i
+              for a in _axes(entry)}
+    if (not weight_axes and not used_r.intersection(axes) and
         summed < gathered):
       rhs_spec[j] = lhs_spec[i]
       used_r.update(axes)
+    elif weight_axes and not others.intersection(weight_axes):
+      lhs_spec[i] = rhs_spec[j]
     else:
       lhs_spec[i] = None
   return _resharded(lhs, lhs_spec, mesh), _resharded(rhs, rhs_spec, mesh)
