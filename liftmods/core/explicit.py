@@ -9,7 +9,8 @@ built-in layers answer for their users with one rule, ``out_spec``:
   Every output dimension the activation (the first operand) has keeps the
   activation's sharding; every other output dimension (the weight's
   features) takes the weight's sharding, unless one of its mesh axes is
-  one the activation's dimensions already use: then it is gathered whole.
+  one the activation's dimensions already use: then it is gathered whole
+  (an axis of size 1, which splits nothing, is only dropped).
 
 The weight's sharding is its type, which on Explicit axes is its logical
 names through the active rules (a logically partitioned box reshards the
@@ -107,8 +108,8 @@ def _entry(axes: Sequence[str]):
 
 
 def out_spec(out_labels: Labels,
-             operands: Sequence[tuple[Labels, Sequence[Any]]]
-             ) -> PartitionSpec:
+             operands: Sequence[tuple[Labels, Sequence[Any]]],
+             sizes: dict[str, int] | None = None) -> PartitionSpec:
   """The output sharding of a contraction, by the rule of this module.
 
   Args:
@@ -116,10 +117,19 @@ def out_spec(out_labels: Labels,
     operands: ``(labels, spec)`` per operand, the activation first: one
       label and one PartitionSpec entry per operand dimension; a label
       names the same dimension in every operand and the output.
+    sizes: the mesh's axis sizes, if known: an axis of size 1 splits
+      nothing, so a weight dimension sharing only such axes with the
+      activation keeps its other axes instead of being gathered whole.
 
   Returns:
     The PartitionSpec of the output.
+
+  >>> weight = PartitionSpec(None, ('data', 'model'))
+  >>> out_spec('bm', [('be', PartitionSpec('data')), ('em', weight)],
+  ...          sizes={'data': 1, 'model': 8})
+  P('data', 'model')
   """
+  sizes = sizes or {}
   chosen = {}
   used = set()
   for labels, spec in operands:
@@ -127,11 +137,17 @@ def out_spec(out_labels: Labels,
       if label in chosen or label not in out_labels:
         continue
       axes = _axes(entry)
-      kept = () if used.intersection(axes) else axes
+      shared = used.intersection(axes)
+      kept = (() if any(sizes.get(a) != 1 for a in shared) else
+              tuple(a for a in axes if a not in shared))
       chosen[label] = kept
       used.update(kept)
   return PartitionSpec(*(_entry(chosen.get(label, ())) for label in
                          out_labels))
+
+
+def _sizes(mesh) -> dict[str, int]:
+  return dict(zip(mesh.axis_names, mesh.axis_sizes))
 
 
 def _sharding(mesh, spec):
@@ -240,7 +256,8 @@ def dot_general(where, lhs, rhs, dimension_numbers, *,
   l, r, out = _dot_labels(jnp.ndim(lhs), jnp.ndim(rhs), dimension_numbers)
   lhs, rhs = _contraction_aligned(lhs, rhs, (l, r), mesh, out)
   if out_sharding is None:
-    spec = out_spec(out, [(l, spec_of(lhs)), (r, spec_of(rhs))])
+    spec = out_spec(out, [(l, spec_of(lhs)), (r, spec_of(rhs))],
+                    _sizes(mesh))
   else:
     spec = given(where, 'dot_general', out_sharding, mesh, len(out))
   fn = functools.partial(op, dimension_numbers=dimension_numbers, **kwargs)
@@ -265,7 +282,7 @@ def _contraction_aligned(lhs, rhs, labels, mesh, out_labels):
   collective inside the product would be done again."""
   (l, r), lhs_spec, rhs_spec = labels, list(spec_of(lhs)), list(spec_of(rhs))
   where_r = {label: j for j, label in enumerate(r)}
-  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  sizes = _sizes(mesh)
   used_r = {a for entry in rhs_spec for a in _axes(entry)}
   for i, label in enumerate(l):
     axes = _axes(lhs_spec[i])
@@ -344,7 +361,8 @@ def einsum(where, subscripts: str, lhs, rhs, *,
   (l, r), out = _einsum_labels(subscripts, (jnp.ndim(lhs), jnp.ndim(rhs)))
   lhs, rhs = _contraction_aligned(lhs, rhs, (l, r), mesh, out)
   if out_sharding is None:
-    spec = out_spec(out, [(l, spec_of(lhs)), (r, spec_of(rhs))])
+    spec = out_spec(out, [(l, spec_of(lhs)), (r, spec_of(rhs))],
+                    _sizes(mesh))
   else:
     spec = given(where, 'einsum', out_sharding, mesh, len(out))
   fn = functools.partial(op, subscripts, **kwargs)
@@ -373,7 +391,8 @@ def conv(where, fn: Callable[..., Any], lhs, rhs, out_sharding=None):
     rhs_labels = [('k', i) for i in range(jnp.ndim(rhs) - 2)] + ['c', 'o']
     out = ['b'] + [('s' if same_spatial else 'out', i) for i in spatial]
     spec = out_spec(out + ['o'], [(lhs_labels, spec_of(lhs)),
-                                  (rhs_labels, spec_of(rhs))])
+                                  (rhs_labels, spec_of(rhs))],
+                    _sizes(mesh))
   return run(where, 'convolution', fn, (lhs, rhs), spec, mesh, native=False)
 
 
@@ -393,7 +412,8 @@ def take(where, table, indices, out_sharding=None):
     idx = list(range(n))
     feats = [('f', i) for i in range(1, jnp.ndim(table))]
     spec = out_spec(idx + feats, [(idx, spec_of(indices)),
-                                  ([('row',)] + feats, spec_of(table))])
+                                  ([('row',)] + feats, spec_of(table))],
+                    _sizes(mesh))
   return run(where, 'embedding lookup', fn, (table, indices), spec, mesh,
              native=False)
 

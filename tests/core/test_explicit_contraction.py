@@ -78,3 +78,18 @@ def test_contraction_resplit_onto_axes_the_rows_hold_gathers(product):
   lhs = _typed((64, 16), P('data', 'model'))
   rhs = _typed((16, 4), P('data', None))
   assert _reshards(product, lhs, rhs) == [('data', None)]
+
+
+def test_weight_axes_of_size_one_do_not_gather_the_others():
+  """A kernel's output dimension over ('one', 'model') where the batch
+  holds 'one', an axis of size 1: the output keeps 'model'."""
+  mesh = AbstractMesh((1, 8), ('one', 'model'),
+                      axis_types=(AxisType.Explicit,) * 2)
+  lhs = jax.ShapeDtypeStruct((8, 4), jnp.float32,
+                             sharding=NamedSharding(mesh, P('one', None)))
+  rhs = jax.ShapeDtypeStruct(
+      (4, 16), jnp.float32,
+      sharding=NamedSharding(mesh, P(None, ('one', 'model'))))
+  with jax.sharding.use_abstract_mesh(mesh):
+    out = jax.eval_shape(_dot, lhs, rhs)
+  assert tuple(out.sharding.spec) == ('one', 'model')

@@ -502,6 +502,20 @@ def test_explicit_contraction_split_on_the_activation_only(layers, rules,
                          explicit=True, in_features=8, explicit_axes=())
 
 
+def test_explicit_weight_dimension_over_a_size_one_batch_axis_keeps_the_rest():
+  """Found by the explicit family (seed 68094, jax 0.12): on a (data 1,
+  model 8) mesh a kernel whose output features go over ('data', 'model')
+  was gathered whole because the batch holds 'data', an axis of one device
+  that splits nothing: 320 collective bytes against the Auto mesh's 4, at
+  every batch size. The features now keep 'model' (tensor parallelism),
+  as on the Auto mesh."""
+  _explicit_matches_auto(
+      layers=(('dense', 16, ('heads', 'mlp')),),
+      rules=(('embed', 'data'), ('mlp', ('data', 'model')),
+             ('heads', 'model')),
+      mesh=4, explicit=True, in_features=4, explicit_axes=())
+
+
 def test_explicit_contraction_split_over_other_axes_on_each_side():
   """Found by the explicit family (seed 55097, jax 0.10.2, after the
   alignment above): a Dense's output split over 'x' into a kernel that
