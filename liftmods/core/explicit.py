@@ -283,12 +283,14 @@ def _contraction_aligned(lhs, rhs, labels, mesh, out_labels):
   (l, r), lhs_spec, rhs_spec = labels, list(spec_of(lhs)), list(spec_of(rhs))
   where_r = {label: j for j, label in enumerate(r)}
   sizes = _sizes(mesh)
-  used_r = {a for entry in rhs_spec for a in _axes(entry)}
+  # Axes of size 1 split nothing: ('data', 'model') over a data axis of 1
+  # is the same split as 'model'.
+  split = lambda entry: tuple(a for a in _axes(entry) if sizes[a] > 1)
   for i, label in enumerate(l):
-    axes = _axes(lhs_spec[i])
+    axes = split(lhs_spec[i])
     j = where_r.get(label)
     if label in out_labels or j is None or not axes or (
-        _axes(rhs_spec[j]) == axes):
+        split(rhs_spec[j]) == axes):
       continue
     gathered = (_shard_size(jnp.shape(lhs), lhs_spec, sizes) *
                 math.prod(sizes[a] for a in axes))
@@ -296,15 +298,15 @@ def _contraction_aligned(lhs, rhs, labels, mesh, out_labels):
                           [x in out_labels for x in l]) *
               _shard_size(jnp.shape(rhs), rhs_spec, sizes,
                           [x in out_labels and x not in l for x in r]))
-    weight_axes = _axes(rhs_spec[j])
+    used_r = {a for entry in rhs_spec for a in _axes(entry)}
     others = {a for k, entry in enumerate(lhs_spec) if k != i
               for a in _axes(entry)}
+    weight_axes = split(rhs_spec[j])
     if (not weight_axes and not used_r.intersection(axes) and
         summed < gathered):
-      rhs_spec[j] = lhs_spec[i]
-      used_r.update(axes)
+      rhs_spec[j] = _entry([a for a in _axes(lhs_spec[i]) if a not in used_r])
     elif weight_axes and not others.intersection(weight_axes):
-      lhs_spec[i] = rhs_spec[j]
+      lhs_spec[i] = _entry([a for a in _axes(rhs_spec[j]) if a not in others])
     else:
       lhs_spec[i] = None
   return _resharded(lhs, lhs_spec, mesh), _resharded(rhs, rhs_spec, mesh)

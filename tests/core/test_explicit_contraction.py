@@ -93,3 +93,19 @@ def test_weight_axes_of_size_one_do_not_gather_the_others():
   with jax.sharding.use_abstract_mesh(mesh):
     out = jax.eval_shape(_dot, lhs, rhs)
   assert tuple(out.sharding.spec) == ('one', 'model')
+
+
+def test_contraction_split_alike_but_for_a_size_one_axis_is_left_alone():
+  """Features over 'model' against a kernel whose input is over ('one',
+  'model'), 'one' of size 1 and holding the rows: the same split, so
+  nothing is resharded (seed 123163: the activation was gathered, 2,240
+  collective bytes against the Auto mesh's 1,536)."""
+  mesh = AbstractMesh((1, 8), ('one', 'model'),
+                      axis_types=(AxisType.Explicit,) * 2)
+  typed = lambda shape, spec: jax.ShapeDtypeStruct(
+      shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+  lhs = typed((8, 16), P('one', 'model'))
+  rhs = typed((16, 6), P(('one', 'model'), None))
+  with jax.sharding.use_abstract_mesh(mesh):
+    jaxpr = jax.make_jaxpr(_dot)(lhs, rhs)
+  assert [e for e in jaxpr.eqns if e.primitive.name == 'reshard'] == []
