@@ -294,9 +294,6 @@ class Pipeline:
     return mesh
 
 
-    def reorder(a):
-      if explicit.explicit_mesh(a) is None or not any(explicit.spec_of(a)):
-        return move(a)
 # -- where a pipelined stack's variables live ----------------------------------------
 
 
