@@ -138,7 +138,7 @@ def out_spec(out_labels: Labels,
         continue
       axes = _axes(entry)
       shared = used.intersection(axes)
-      kept = (() if any(sizes.get(a) != 1 for a in shared) else
+      kept = (() if _splitting(shared, sizes) else
               tuple(a for a in axes if a not in shared))
       chosen[label] = kept
       used.update(kept)
@@ -148,6 +148,12 @@ def out_spec(out_labels: Labels,
 
 def _sizes(mesh) -> dict[str, int]:
   return dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+
+def _splitting(axes, sizes: dict[str, int]) -> tuple:
+  """Those of ``axes`` that split a dimension: an axis of size 1 splits
+  nothing (one missing from ``sizes`` counts as splitting)."""
+  return tuple(a for a in axes if sizes.get(a) != 1)
 
 
 def _sharding(mesh, spec):
@@ -254,10 +260,10 @@ def dot_general(where, lhs, rhs, dimension_numbers, *,
   if mesh is None:
     return op(lhs, rhs, dimension_numbers, **kwargs)
   l, r, out = _dot_labels(jnp.ndim(lhs), jnp.ndim(rhs), dimension_numbers)
-  lhs, rhs = _contraction_aligned(lhs, rhs, (l, r), mesh, out)
+  sizes = _sizes(mesh)
+  lhs, rhs = _contraction_aligned(lhs, rhs, (l, r), mesh, sizes, out)
   if out_sharding is None:
-    spec = out_spec(out, [(l, spec_of(lhs)), (r, spec_of(rhs))],
-                    _sizes(mesh))
+    spec = out_spec(out, [(l, spec_of(lhs)), (r, spec_of(rhs))], sizes)
   else:
     spec = given(where, 'dot_general', out_sharding, mesh, len(out))
   fn = functools.partial(op, dimension_numbers=dimension_numbers, **kwargs)
@@ -265,7 +271,7 @@ def dot_general(where, lhs, rhs, dimension_numbers, *,
              native=_native(op, lax.dot_general))
 
 
-def _contraction_aligned(lhs, rhs, labels, mesh, out_labels):
+def _contraction_aligned(lhs, rhs, labels, mesh, sizes, out_labels):
   """``(lhs, rhs)`` with each dimension they contract split alike: where
   the activation ``lhs`` splits one over mesh axes the weight ``rhs`` does
   not, either the weight is split as the activation (a local slice of a
@@ -282,28 +288,31 @@ def _contraction_aligned(lhs, rhs, labels, mesh, out_labels):
   collective inside the product would be done again."""
   (l, r), lhs_spec, rhs_spec = labels, list(spec_of(lhs)), list(spec_of(rhs))
   where_r = {label: j for j, label in enumerate(r)}
-  sizes = _sizes(mesh)
-  # Axes of size 1 split nothing: ('data', 'model') over a data axis of 1
-  # is the same split as 'model'.
-  split = lambda entry: tuple(a for a in _axes(entry) if sizes[a] > 1)
-  for i, label in enumerate(l):
-    axes = split(lhs_spec[i])
-    j = where_r.get(label)
-    if label in out_labels or j is None or not axes or (
-        split(rhs_spec[j]) == axes):
-      continue
+  # ('data', 'model') over a data axis of 1 is the same split as 'model'.
+  split = lambda entry: _splitting(_axes(entry), sizes)
+
+  def summing_moves_less(axes):
     gathered = (_shard_size(jnp.shape(lhs), lhs_spec, sizes) *
                 math.prod(sizes[a] for a in axes))
     summed = (_shard_size(jnp.shape(lhs), lhs_spec, sizes,
                           [x in out_labels for x in l]) *
               _shard_size(jnp.shape(rhs), rhs_spec, sizes,
                           [x in out_labels and x not in l for x in r]))
+    return summed < gathered
+
+  for i, label in enumerate(l):
+    axes = split(lhs_spec[i])
+    j = where_r.get(label)
+    if label in out_labels or j is None or not axes:
+      continue
+    weight_axes = split(rhs_spec[j])
+    if weight_axes == axes:
+      continue
     used_r = {a for entry in rhs_spec for a in _axes(entry)}
     others = {a for k, entry in enumerate(lhs_spec) if k != i
               for a in _axes(entry)}
-    weight_axes = split(rhs_spec[j])
     if (not weight_axes and not used_r.intersection(axes) and
-        summed < gathered):
+        summing_moves_less(axes)):
       rhs_spec[j] = _entry([a for a in _axes(lhs_spec[i]) if a not in used_r])
     elif weight_axes and not others.intersection(weight_axes):
       lhs_spec[i] = _entry([a for a in _axes(rhs_spec[j]) if a not in others])
@@ -361,10 +370,10 @@ def einsum(where, subscripts: str, lhs, rhs, *,
   if mesh is None or '->' not in subscripts:
     return op(subscripts, lhs, rhs, **kwargs)
   (l, r), out = _einsum_labels(subscripts, (jnp.ndim(lhs), jnp.ndim(rhs)))
-  lhs, rhs = _contraction_aligned(lhs, rhs, (l, r), mesh, out)
+  sizes = _sizes(mesh)
+  lhs, rhs = _contraction_aligned(lhs, rhs, (l, r), mesh, sizes, out)
   if out_sharding is None:
-    spec = out_spec(out, [(l, spec_of(lhs)), (r, spec_of(rhs))],
-                    _sizes(mesh))
+    spec = out_spec(out, [(l, spec_of(lhs)), (r, spec_of(rhs))], sizes)
   else:
     spec = given(where, 'einsum', out_sharding, mesh, len(out))
   fn = functools.partial(op, subscripts, **kwargs)
