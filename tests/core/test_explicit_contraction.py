@@ -11,16 +11,19 @@ from liftmods.core import explicit
 
 MESH = AbstractMesh((2, 4), ('data', 'model'),
                     axis_types=(AxisType.Explicit,) * 2)
+# 'one' splits nothing: its size is 1.
+ONE = AbstractMesh((1, 8), ('one', 'model'),
+                   axis_types=(AxisType.Explicit,) * 2)
 
 
-def _typed(shape, spec):
+def _typed(shape, spec, mesh=MESH):
   return jax.ShapeDtypeStruct(shape, jnp.float32,
-                              sharding=NamedSharding(MESH, spec))
+                              sharding=NamedSharding(mesh, spec))
 
 
-def _reshards(fn, lhs, rhs):
+def _reshards(fn, lhs, rhs, mesh=MESH):
   """The specs the traced ``fn(lhs, rhs)`` reshards its operands to."""
-  with jax.sharding.use_abstract_mesh(MESH):
+  with jax.sharding.use_abstract_mesh(mesh):
     jaxpr = jax.make_jaxpr(fn)(lhs, rhs)
   return [tuple(e.params['dst_sharding'].spec) for e in jaxpr.eqns
           if e.primitive.name == 'reshard']
@@ -83,14 +86,9 @@ def test_contraction_resplit_onto_axes_the_rows_hold_gathers(product):
 def test_weight_axes_of_size_one_do_not_gather_the_others():
   """A kernel's output dimension over ('one', 'model') where the batch
   holds 'one', an axis of size 1: the output keeps 'model'."""
-  mesh = AbstractMesh((1, 8), ('one', 'model'),
-                      axis_types=(AxisType.Explicit,) * 2)
-  lhs = jax.ShapeDtypeStruct((8, 4), jnp.float32,
-                             sharding=NamedSharding(mesh, P('one', None)))
-  rhs = jax.ShapeDtypeStruct(
-      (4, 16), jnp.float32,
-      sharding=NamedSharding(mesh, P(None, ('one', 'model'))))
-  with jax.sharding.use_abstract_mesh(mesh):
+  lhs = _typed((8, 4), P('one', None), ONE)
+  rhs = _typed((4, 16), P(None, ('one', 'model')), ONE)
+  with jax.sharding.use_abstract_mesh(ONE):
     out = jax.eval_shape(_dot, lhs, rhs)
   assert tuple(out.sharding.spec) == ('one', 'model')
 
@@ -100,12 +98,6 @@ def test_contraction_split_alike_but_for_a_size_one_axis_is_left_alone():
   'model'), 'one' of size 1 and holding the rows: the same split, so
   nothing is resharded (seed 123163: the activation was gathered, 2,240
   collective bytes against the Auto mesh's 1,536)."""
-  mesh = AbstractMesh((1, 8), ('one', 'model'),
-                      axis_types=(AxisType.Explicit,) * 2)
-  typed = lambda shape, spec: jax.ShapeDtypeStruct(
-      shape, jnp.float32, sharding=NamedSharding(mesh, spec))
-  lhs = typed((8, 16), P('one', 'model'))
-  rhs = typed((16, 6), P(('one', 'model'), None))
-  with jax.sharding.use_abstract_mesh(mesh):
-    jaxpr = jax.make_jaxpr(_dot)(lhs, rhs)
-  assert [e for e in jaxpr.eqns if e.primitive.name == 'reshard'] == []
+  lhs = _typed((8, 16), P('one', 'model'), ONE)
+  rhs = _typed((16, 6), P(('one', 'model'), None), ONE)
+  assert _reshards(_dot, lhs, rhs, ONE) == []
