@@ -145,7 +145,8 @@ def dot_product_attention_weights(
   _check_qk(query, key)
   query = query / jnp.sqrt(query.shape[-1]).astype(dtype)
   logits = explicit.einsum('dot_product_attention_weights',
-                           '...qhd,...khd->...hqk', query, key, op=einsum)
+                           '...qhd,...khd->...hqk', query, key, op=einsum,
+                           weight=False)
   if bias is not None:
     logits = logits + bias
   if mask is not None:
@@ -236,7 +237,7 @@ def dot_product_attention(
       precision, einsum_dot_general
   )
   return explicit.einsum('dot_product_attention', '...hqk,...khd->...qhd',
-                         weights, value, op=einsum)
+                         weights, value, op=einsum, weight=False)
 
 
 def make_attention_mask(

@@ -31,6 +31,14 @@ where the activation's other dimensions hold those axes. Done in the
 program JAX differentiates, the backward pass reuses what the forward pass
 moved.
 
+A weight that splits a contracted dimension the activation holds whole
+(FSDP over an axis the batch does not use, or any split contraction of a
+weight) is gathered for the product under a derivative rule of its own
+(``_gathering``, a ``custom_jvp``, so forward-mode differentiation works):
+the activation's gradient uses the gathered weight, and the weight's
+gradient is taken at the weight's own layout. Attention's products of two
+activations (``weight=False``) are left to the partitioner.
+
 Weights applied elementwise (biases, normalisation scales) take the
 activation's sharding on the dimensions they share with it: ``match``.
 
@@ -54,6 +62,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from liftmods import errors
 from liftmods import jax_private
@@ -237,7 +246,7 @@ def _dot_labels(lhs_ndim: int, rhs_ndim: int, dimension_numbers):
 
 def dot_general(where, lhs, rhs, dimension_numbers, *,
                 op: Callable[..., Any] | None = None, out_sharding=None,
-                **kwargs):
+                weight: bool = True, **kwargs):
   """``op(lhs, rhs, dimension_numbers, **kwargs)`` (``lax.dot_general`` by
   default), its output sharding chosen by ``out_spec`` on Explicit axes.
 
@@ -250,6 +259,8 @@ def dot_general(where, lhs, rhs, dimension_numbers, *,
       ``out_sharding``).
     out_sharding: a PartitionSpec or NamedSharding that overrides the rule
       (ignored off Explicit axes, where JAX chooses).
+    weight: ``rhs`` is a weight (False: a second activation, as attention's
+      keys), which is gathered where it alone splits a contracted dimension.
     **kwargs: passed to ``op`` (``precision``, ``preferred_element_type``).
 
   Returns:
@@ -267,8 +278,9 @@ def dot_general(where, lhs, rhs, dimension_numbers, *,
   else:
     spec = given(where, 'dot_general', out_sharding, mesh, len(out))
   fn = functools.partial(op, dimension_numbers=dimension_numbers, **kwargs)
-  return run(where, 'dot_general', fn, (lhs, rhs), spec, mesh,
-             native=_native(op, lax.dot_general))
+  return _product(where, 'dot_general', fn, (lhs, rhs), (l, r, out), spec,
+                  mesh, sizes, native=_native(op, lax.dot_general),
+                  weight=weight)
 
 
 def _contraction_aligned(lhs, rhs, labels, mesh, sizes, out_labels):
@@ -281,7 +293,7 @@ def _contraction_aligned(lhs, rhs, labels, mesh, sizes, out_labels):
   the weight splits it over other axes, the activation is split as the
   weight (an all-to-all, each device keeping as many elements) unless its
   other dimensions use those axes, and gathered then. A weight split
-  where the activation is whole (FSDP) is left to the partitioner.
+  where the activation is whole (FSDP) is gathered by ``_product``.
 
   The partitioner moves the same data for the product anyway; moved here,
   in the program JAX differentiates, the backward pass reuses it where a
@@ -321,6 +333,70 @@ def _contraction_aligned(lhs, rhs, labels, mesh, sizes, out_labels):
   return _resharded(lhs, lhs_spec, mesh), _resharded(rhs, rhs_spec, mesh)
 
 
+def _product(where, what: str, fn, args, labels, spec, mesh, sizes,
+             native: bool, weight: bool):
+  """``run``, for a contraction of aligned operands: one whose weight is
+  split where the activation is whole goes through ``_gathering``."""
+  l, r, out = labels
+  gathered = (native and weight and
+              _weight_gathered(*args, (l, r), sizes, out, spec))
+  if gathered:
+    fn = _gathering(fn, gathered, mesh)
+  return run(where, what, fn, args, spec, mesh, native=native)
+
+
+def _weight_gathered(lhs, rhs, labels, sizes, out_labels, out):
+  """Where the weight splits a contracted dimension the activation holds
+  whole (FSDP): the layout the product needs it in, those dimensions
+  gathered and its output features gathered as far as the output ``out``
+  is; else None."""
+  (l, r), lhs_spec, rhs_spec = labels, spec_of(lhs), list(spec_of(rhs))
+  where_l = {label: i for i, label in enumerate(l)}
+  where_out = {label: k for k, label in enumerate(out_labels)}
+  found = False
+  for j, label in enumerate(r):
+    i, k = where_l.get(label), where_out.get(label)
+    if i is None and k is not None:
+      kept = _axes(out[k]) if k < len(out) else ()
+      if set(kept) <= set(_axes(rhs_spec[j])):
+        rhs_spec[j] = _entry(kept)
+    elif (i is not None and k is None and
+          _splitting(_axes(rhs_spec[j]), sizes) and
+          not _splitting(_axes(lhs_spec[i]), sizes)):
+      rhs_spec[j], found = None, True
+  return PartitionSpec(*rhs_spec) if found else None
+
+
+def _gathering(fn, gathered: PartitionSpec, mesh):
+  """``fn`` (a product taking ``out_sharding``) with the weight gathered as
+  ``gathered`` for the product and for the activation's gradient, while the
+  weight's gradient is taken at the weight's own layout.
+
+  Differentiating a plain gather would give the weight's gradient the
+  gathered type: reduced whole over the batch's axes, then sliced. Left to
+  the partitioner instead, the activation's gradient is computed split and
+  gathered, a cost that grows with the batch."""
+  sharding = _sharding(mesh, gathered)
+
+  def gathering(x, w, out_sharding):
+    product = jax.custom_jvp(lambda x, w: fn(
+        x, jax.sharding.reshard(w, sharding), out_sharding=out_sharding))
+
+    def jvp(primals, tangents):
+      (x, w), (dx, dw) = primals, tangents
+      whole = jax.sharding.reshard(w, sharding)
+      y = fn(x, whole, out_sharding=out_sharding)
+      terms = [fn(*pair, out_sharding=out_sharding)
+               for pair in ((dx, whole), (x, dw))
+               if not any(isinstance(t, SymbolicZero) for t in pair)]
+      return y, functools.reduce(jnp.add, terms) if terms else jnp.zeros_like(y)
+
+    product.defjvp(jvp, symbolic_zeros=True)
+    return product(x, w)
+
+  return gathering
+
+
 def _shard_size(shape, spec, sizes, kept=None) -> int:
   """Elements per device of an array laid out as ``spec``, counting only
   the dimensions ``kept`` marks (all by default)."""
@@ -358,7 +434,7 @@ def _einsum_labels(subscripts: str, ndims: Sequence[int]):
 
 def einsum(where, subscripts: str, lhs, rhs, *,
            op: Callable[..., Any] | None = None, out_sharding=None,
-           **kwargs):
+           weight: bool = True, **kwargs):
   """``op(subscripts, lhs, rhs, **kwargs)`` (``jnp.einsum`` by default),
   its output sharding chosen by ``out_spec`` on Explicit axes.
 
@@ -377,8 +453,8 @@ def einsum(where, subscripts: str, lhs, rhs, *,
   else:
     spec = given(where, 'einsum', out_sharding, mesh, len(out))
   fn = functools.partial(op, subscripts, **kwargs)
-  return run(where, 'einsum', fn, (lhs, rhs), spec, mesh,
-             native=_native(op, jnp.einsum))
+  return _product(where, 'einsum', fn, (lhs, rhs), (l, r, out), spec, mesh,
+                  sizes, native=_native(op, jnp.einsum), weight=weight)
 
 
 def conv(where, fn: Callable[..., Any], lhs, rhs, out_sharding=None):
