@@ -641,6 +641,20 @@ def test_explicit_family_says_whether_the_excess_grows_with_the_batch():
   assert detail.endswith('(the excess is the same)')
 
 
+@pytest.mark.integration
+def test_explicit_family_says_where_the_excess_is_gone_at_the_larger_batch():
+  """Seed 126083 (jax 0.12; 0.10.2 alike): 12 bytes more than the Auto
+  mesh at 64 rows, and far fewer at 1,024, where the Auto step reduces a
+  batch-sized array. The report said 'the excess is the same'."""
+  verdict, detail = spmd_family.check_explicit(spmd_family.InitProgram(
+      layers=(('dense', 16, ('embed', 'heads')), ('norm', 8, ('heads', 'mlp'))),
+      rules=(('embed', None), ('mlp', 'model'), ('heads', 'data')), mesh=2,
+      explicit=True, in_features=4, explicit_axes=()))
+  assert verdict == 'mismatch', detail
+  assert detail == ('collective bytes: Explicit 964, Auto 952; at 1024 rows '
+                    'Explicit 964, Auto 8632 (no excess at that size)'), detail
+
+
 def _open_class(name, reason, **program):
   return pytest.param(program, id=name, marks=pytest.mark.xfail(
       strict=True, reason='found by the explicit family ' + reason))

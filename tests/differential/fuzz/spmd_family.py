@@ -489,16 +489,20 @@ def check_explicit(prog: InitProgram) -> tuple:
   an Explicit mesh, against the same on an Auto mesh: values, gradients,
   and no more collective bytes in the compiled step. Where it moves more,
   the report says whether the excess grows with the batch (measured again
-  at ``GROWTH_ROWS``) or is the same, weight-sized."""
+  at ``GROWTH_ROWS``), is the same (weight-sized), shrinks, or is gone at
+  that size."""
   verdict, detail, moved = _check_explicit(prog, EXPLICIT_ROWS)
   if verdict == 'mismatch' and moved:
     _, again_detail, again = _check_explicit(prog, GROWTH_ROWS)
     if again is None:
       return verdict, f'{detail}; at {GROWTH_ROWS} rows: {again_detail}'
-    grows = again[0] - again[1] > moved[0] - moved[1]
+    excess, first = again[0] - again[1], moved[0] - moved[1]
+    verdict_text = ('no excess at that size' if excess <= 0 else
+                    'the excess grows with the batch' if excess > first else
+                    'the excess is the same' if excess == first else
+                    'the excess shrinks with the batch')
     detail += (f'; at {GROWTH_ROWS} rows Explicit {again[0]}, Auto '
-               f'{again[1]} (the excess '
-               f'{"grows with the batch" if grows else "is the same"})')
+               f'{again[1]} ({verdict_text})')
   return verdict, detail
 
 
