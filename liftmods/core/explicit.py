@@ -33,11 +33,12 @@ moved.
 
 A weight that splits a contracted dimension the activation holds whole
 (FSDP over an axis the batch does not use, or any split contraction of a
-weight) is gathered for the product under a derivative rule of its own
-(``_gathering``, a ``custom_jvp``, so forward-mode differentiation works):
-the activation's gradient uses the gathered weight, and the weight's
-gradient is taken at the weight's own layout. Attention's products of two
-activations (``weight=False``) are left to the partitioner.
+weight) is gathered for the product. That gather, and an activation moved
+for a weight that splits its output, are made under a derivative rule of
+their own (``_aligning``, a ``custom_jvp``, so forward-mode
+differentiation works) that takes each operand's gradient at its own
+layout. Attention's products of two activations (``weight=False``) are
+not gathered so.
 
 Weights applied elementwise (biases, normalisation scales) take the
 activation's sharding on the dimensions they share with it: ``match``.
@@ -272,19 +273,20 @@ def dot_general(where, lhs, rhs, dimension_numbers, *,
     return op(lhs, rhs, dimension_numbers, **kwargs)
   l, r, out = _dot_labels(jnp.ndim(lhs), jnp.ndim(rhs), dimension_numbers)
   sizes = _sizes(mesh)
-  lhs, rhs = _contraction_aligned(lhs, rhs, (l, r), mesh, sizes, out)
+  aligned = _contraction_aligned(lhs, rhs, (l, r), mesh, sizes, out)
   if out_sharding is None:
-    spec = out_spec(out, [(l, spec_of(lhs)), (r, spec_of(rhs))], sizes)
+    spec = out_spec(out, [(l, aligned[0]), (r, aligned[1])], sizes)
   else:
     spec = given(where, 'dot_general', out_sharding, mesh, len(out))
   fn = functools.partial(op, dimension_numbers=dimension_numbers, **kwargs)
-  return _product(where, 'dot_general', fn, (lhs, rhs), (l, r, out), spec,
-                  mesh, sizes, native=_native(op, lax.dot_general),
-                  weight=weight)
+  return _product(where, 'dot_general', fn, (lhs, rhs), aligned,
+                  (l, r, out), spec, mesh, sizes,
+                  native=_native(op, lax.dot_general), weight=weight)
 
 
 def _contraction_aligned(lhs, rhs, labels, mesh, sizes, out_labels):
-  """``(lhs, rhs)`` with each dimension they contract split alike: where
+  """The specs ``(lhs, rhs)`` take so that each dimension they contract is
+  split alike: where
   the activation ``lhs`` splits one over mesh axes the weight ``rhs`` does
   not, either the weight is split as the activation (a local slice of a
   replicated weight; the product is then summed over those axes) or the
@@ -295,9 +297,9 @@ def _contraction_aligned(lhs, rhs, labels, mesh, sizes, out_labels):
   other dimensions use those axes, and gathered then. A weight split
   where the activation is whole (FSDP) is gathered by ``_product``.
 
-  The partitioner moves the same data for the product anyway; moved here,
-  in the program JAX differentiates, the backward pass reuses it where a
-  collective inside the product would be done again."""
+  The partitioner moves the same data for the product anyway; moved in the
+  program JAX differentiates (``_product``), the backward pass reuses it
+  where a collective inside the product would be done again."""
   (l, r), lhs_spec, rhs_spec = labels, list(spec_of(lhs)), list(spec_of(rhs))
   where_r = {label: j for j, label in enumerate(r)}
   # ('data', 'model') over a data axis of 1 is the same split as 'model'.
@@ -330,27 +332,41 @@ def _contraction_aligned(lhs, rhs, labels, mesh, sizes, out_labels):
       lhs_spec[i] = _entry([a for a in _axes(rhs_spec[j]) if a not in others])
     else:
       lhs_spec[i] = None
-  return _resharded(lhs, lhs_spec, mesh), _resharded(rhs, rhs_spec, mesh)
+  return PartitionSpec(*lhs_spec), PartitionSpec(*rhs_spec)
 
 
-def _product(where, what: str, fn, args, labels, spec, mesh, sizes,
+def _product(where, what: str, fn, args, aligned, labels, spec, mesh, sizes,
              native: bool, weight: bool):
-  """``run``, for a contraction of aligned operands: one whose weight is
-  split where the activation is whole goes through ``_gathering``."""
+  """``run`` on ``args`` laid out as ``aligned`` (their specs), and a
+  weight that splits a contracted dimension the activation holds whole
+  gathered (``_weight_gathered``). Where that gather is made, or where the
+  activation is moved for a weight that splits its output (so the
+  activation's gradient is a sum over those axes), the product goes
+  through ``_aligning``; otherwise the operands are resharded before it."""
   l, r, out = labels
-  gathered = (native and weight and
-              _weight_gathered(*args, (l, r), sizes, out, spec))
-  if gathered:
-    fn = _gathering(fn, gathered, mesh)
+  lhs_spec, rhs_spec = aligned
+  if native and weight:
+    rhs_spec = _weight_gathered(lhs_spec, rhs_spec, (l, r), sizes, out,
+                                spec) or rhs_spec
+  gathered = tuple(rhs_spec) != tuple(aligned[1])
+  moved = tuple(lhs_spec) != spec_of(args[0])
+  summed = any(_splitting(_axes(entry), sizes)
+               for entry, label in zip(rhs_spec, r)
+               if label in out and label not in l)
+  if native and (gathered or moved and summed):
+    fn = _aligning(fn, lhs_spec, rhs_spec, mesh)
+  else:
+    args = (_resharded(args[0], lhs_spec, mesh),
+            _resharded(args[1], rhs_spec, mesh))
   return run(where, what, fn, args, spec, mesh, native=native)
 
 
-def _weight_gathered(lhs, rhs, labels, sizes, out_labels, out):
+def _weight_gathered(lhs_spec, rhs_spec, labels, sizes, out_labels, out):
   """Where the weight splits a contracted dimension the activation holds
   whole (FSDP): the layout the product needs it in, those dimensions
   gathered and its output features gathered as far as the output ``out``
   is; else None."""
-  (l, r), lhs_spec, rhs_spec = labels, spec_of(lhs), list(spec_of(rhs))
+  (l, r), rhs_spec = labels, list(rhs_spec)
   where_l = {label: i for i, label in enumerate(l)}
   where_out = {label: k for k, label in enumerate(out_labels)}
   found = False
@@ -367,34 +383,36 @@ def _weight_gathered(lhs, rhs, labels, sizes, out_labels, out):
   return PartitionSpec(*rhs_spec) if found else None
 
 
-def _gathering(fn, gathered: PartitionSpec, mesh):
-  """``fn`` (a product taking ``out_sharding``) with the weight gathered as
-  ``gathered`` for the product and for the activation's gradient, while the
-  weight's gradient is taken at the weight's own layout.
+def _aligning(fn, lhs_spec, rhs_spec, mesh):
+  """``fn`` (a product taking ``out_sharding``) on its operands laid out
+  as ``lhs_spec`` and ``rhs_spec``, under a derivative rule of its own
+  (a ``custom_jvp``, so forward-mode differentiation works): each
+  operand's tangent enters the product at the operand's own layout, the
+  other operand as laid out for the product. So each gradient is taken
+  at its operand's layout, the partitioner choosing how, as on an Auto
+  mesh. Differentiating the resharding instead gives a gradient the
+  moved layout: a gathered weight's gradient reduced whole over the
+  batch's axes and then sliced, a gathered activation's reduced whole over
+  the weight's output axes and then sliced."""
 
-  Differentiating a plain gather would give the weight's gradient the
-  gathered type: reduced whole over the batch's axes, then sliced. Left to
-  the partitioner instead, the activation's gradient is computed split and
-  gathered, a cost that grows with the batch."""
-  sharding = _sharding(mesh, gathered)
-
-  def gathering(x, w, out_sharding):
-    product = jax.custom_jvp(lambda x, w: fn(
-        x, jax.sharding.reshard(w, sharding), out_sharding=out_sharding))
+  def aligning(x, w, out_sharding):
+    laid_out = lambda x, w: (_resharded(x, lhs_spec, mesh),
+                             _resharded(w, rhs_spec, mesh))
+    product = jax.custom_jvp(
+        lambda x, w: fn(*laid_out(x, w), out_sharding=out_sharding))
 
     def jvp(primals, tangents):
-      (x, w), (dx, dw) = primals, tangents
-      whole = jax.sharding.reshard(w, sharding)
-      y = fn(x, whole, out_sharding=out_sharding)
+      (xa, wa), (dx, dw) = laid_out(*primals), tangents
+      y = fn(xa, wa, out_sharding=out_sharding)
       terms = [fn(*pair, out_sharding=out_sharding)
-               for pair in ((dx, whole), (x, dw))
+               for pair in ((dx, wa), (xa, dw))
                if not any(isinstance(t, SymbolicZero) for t in pair)]
       return y, functools.reduce(jnp.add, terms) if terms else jnp.zeros_like(y)
 
     product.defjvp(jvp, symbolic_zeros=True)
     return product(x, w)
 
-  return gathering
+  return aligning
 
 
 def _shard_size(shape, spec, sizes, kept=None) -> int:
@@ -447,14 +465,15 @@ def einsum(where, subscripts: str, lhs, rhs, *,
     return op(subscripts, lhs, rhs, **kwargs)
   (l, r), out = _einsum_labels(subscripts, (jnp.ndim(lhs), jnp.ndim(rhs)))
   sizes = _sizes(mesh)
-  lhs, rhs = _contraction_aligned(lhs, rhs, (l, r), mesh, sizes, out)
+  aligned = _contraction_aligned(lhs, rhs, (l, r), mesh, sizes, out)
   if out_sharding is None:
-    spec = out_spec(out, [(l, spec_of(lhs)), (r, spec_of(rhs))], sizes)
+    spec = out_spec(out, [(l, aligned[0]), (r, aligned[1])], sizes)
   else:
     spec = given(where, 'einsum', out_sharding, mesh, len(out))
   fn = functools.partial(op, subscripts, **kwargs)
-  return _product(where, 'einsum', fn, (lhs, rhs), (l, r, out), spec, mesh,
-                  sizes, native=_native(op, jnp.einsum), weight=weight)
+  return _product(where, 'einsum', fn, (lhs, rhs), aligned, (l, r, out),
+                  spec, mesh, sizes, native=_native(op, jnp.einsum),
+                  weight=weight)
 
 
 def conv(where, fn: Callable[..., Any], lhs, rhs, out_sharding=None):
