@@ -166,6 +166,12 @@ def _splitting(axes, sizes: dict[str, int]) -> tuple:
   return tuple(a for a in axes if sizes.get(a) != 1)
 
 
+def _split(entry, sizes: dict[str, int]) -> tuple:
+  """The axes of a PartitionSpec ``entry`` that split its dimension:
+  ('data', 'model') over a data axis of 1 is the same split as 'model'."""
+  return _splitting(_axes(entry), sizes)
+
+
 def _sharding(mesh, spec):
   return jax.sharding.NamedSharding(mesh, spec)
 
@@ -271,39 +277,31 @@ def dot_general(where, lhs, rhs, dimension_numbers, *,
   mesh = explicit_mesh(lhs, rhs)
   if mesh is None:
     return op(lhs, rhs, dimension_numbers, **kwargs)
-  l, r, out = _dot_labels(jnp.ndim(lhs), jnp.ndim(rhs), dimension_numbers)
-  sizes = _sizes(mesh)
-  aligned = _contraction_aligned(lhs, rhs, (l, r), mesh, sizes, out)
-  if out_sharding is None:
-    spec = out_spec(out, [(l, aligned[0]), (r, aligned[1])], sizes)
-  else:
-    spec = given(where, 'dot_general', out_sharding, mesh, len(out))
+  labels = _dot_labels(jnp.ndim(lhs), jnp.ndim(rhs), dimension_numbers)
   fn = functools.partial(op, dimension_numbers=dimension_numbers, **kwargs)
-  return _product(where, 'dot_general', fn, (lhs, rhs), aligned,
-                  (l, r, out), spec, mesh, sizes,
-                  native=_native(op, lax.dot_general), weight=weight)
+  return _contract(where, 'dot_general', fn, (lhs, rhs), labels, mesh,
+                   out_sharding, native=_native(op, lax.dot_general),
+                   weight=weight)
 
 
-def _contraction_aligned(lhs, rhs, labels, mesh, sizes, out_labels):
+def _contraction_aligned(lhs, rhs, labels, sizes, out_labels):
   """The specs ``(lhs, rhs)`` take so that each dimension they contract is
-  split alike: where
-  the activation ``lhs`` splits one over mesh axes the weight ``rhs`` does
-  not, either the weight is split as the activation (a local slice of a
-  replicated weight; the product is then summed over those axes) or the
-  activation is gathered whole, whichever moves fewer elements per device
-  (the summed output's shard against the gathered activation's); where
-  the weight splits it over other axes, the activation is split as the
-  weight (an all-to-all, each device keeping as many elements) unless its
-  other dimensions use those axes, and gathered then. A weight split
-  where the activation is whole (FSDP) is gathered by ``_product``.
+  split alike: where the activation ``lhs`` splits one over mesh axes the
+  weight ``rhs`` does not, either the weight is split as the activation (a
+  local slice of a replicated weight; the product is then summed over
+  those axes) or the activation is gathered whole, whichever moves fewer
+  elements per device (the summed output's shard against the gathered
+  activation's); where the weight splits it over other axes, the
+  activation is split as the weight (an all-to-all, each device keeping as
+  many elements) unless its other dimensions use those axes, and gathered
+  then. A weight split where the activation is whole (FSDP) is gathered by
+  ``_contract``.
 
   The partitioner moves the same data for the product anyway; moved in the
-  program JAX differentiates (``_product``), the backward pass reuses it
+  program JAX differentiates (``_contract``), the backward pass reuses it
   where a collective inside the product would be done again."""
   (l, r), lhs_spec, rhs_spec = labels, list(spec_of(lhs)), list(spec_of(rhs))
   where_r = {label: j for j, label in enumerate(r)}
-  # ('data', 'model') over a data axis of 1 is the same split as 'model'.
-  split = lambda entry: _splitting(_axes(entry), sizes)
 
   def summing_moves_less(axes):
     gathered = (_shard_size(jnp.shape(lhs), lhs_spec, sizes) *
@@ -315,11 +313,11 @@ def _contraction_aligned(lhs, rhs, labels, mesh, sizes, out_labels):
     return summed < gathered
 
   for i, label in enumerate(l):
-    axes = split(lhs_spec[i])
+    axes = _split(lhs_spec[i], sizes)
     j = where_r.get(label)
     if label in out_labels or j is None or not axes:
       continue
-    weight_axes = split(rhs_spec[j])
+    weight_axes = _split(rhs_spec[j], sizes)
     if weight_axes == axes:
       continue
     used_r = {a for entry in rhs_spec for a in _axes(entry)}
@@ -335,25 +333,31 @@ def _contraction_aligned(lhs, rhs, labels, mesh, sizes, out_labels):
   return PartitionSpec(*lhs_spec), PartitionSpec(*rhs_spec)
 
 
-def _product(where, what: str, fn, args, aligned, labels, spec, mesh, sizes,
-             native: bool, weight: bool):
-  """``run`` on ``args`` laid out as ``aligned`` (their specs), and a
-  weight that splits a contracted dimension the activation holds whole
-  gathered (``_weight_gathered``). Where that gather is made, or where the
-  activation is moved for a weight that splits its output (so the
-  activation's gradient is a sum over those axes), the product goes
-  through ``_aligning``; otherwise the operands are resharded before it."""
+def _contract(where, what: str, fn, args, labels, mesh, out_sharding,
+              native: bool, weight: bool):
+  """``run`` for a contraction of ``args`` (activation, weight) with the
+  dimension ``labels`` ``(lhs, rhs, out)``: the operands aligned
+  (``_contraction_aligned``), a weight that splits a contracted dimension
+  the activation holds whole gathered (``_weight_gathered``), the output
+  laid out by ``out_spec`` unless ``out_sharding`` says otherwise. Where
+  that gather is made, or where the activation is moved for a weight that
+  splits its output (so the activation's gradient is a sum over those
+  axes), the product goes through ``_aligning``; otherwise the operands
+  are resharded before it."""
   l, r, out = labels
-  lhs_spec, rhs_spec = aligned
-  if native and weight:
-    rhs_spec = _weight_gathered(lhs_spec, rhs_spec, (l, r), sizes, out,
-                                spec) or rhs_spec
-  gathered = tuple(rhs_spec) != tuple(aligned[1])
-  moved = tuple(lhs_spec) != spec_of(args[0])
-  summed = any(_splitting(_axes(entry), sizes)
-               for entry, label in zip(rhs_spec, r)
-               if label in out and label not in l)
-  if native and (gathered or moved and summed):
+  sizes = _sizes(mesh)
+  lhs_spec, rhs_spec = _contraction_aligned(*args, (l, r), sizes, out)
+  if out_sharding is None:
+    spec = out_spec(out, [(l, lhs_spec), (r, rhs_spec)], sizes)
+  else:
+    spec = given(where, what, out_sharding, mesh, len(out))
+  gathered = native and weight and _weight_gathered(
+      lhs_spec, rhs_spec, (l, r), sizes, out, spec)
+  rhs_spec = gathered or rhs_spec
+  moved_into_a_sum = tuple(lhs_spec) != spec_of(args[0]) and any(
+      _split(entry, sizes) for entry, label in zip(rhs_spec, r)
+      if label in out and label not in l)
+  if native and (gathered or moved_into_a_sum):
     fn = _aligning(fn, lhs_spec, rhs_spec, mesh)
   else:
     args = (_resharded(args[0], lhs_spec, mesh),
@@ -377,8 +381,7 @@ def _weight_gathered(lhs_spec, rhs_spec, labels, sizes, out_labels, out):
       if set(kept) <= set(_axes(rhs_spec[j])):
         rhs_spec[j] = _entry(kept)
     elif (i is not None and k is None and
-          _splitting(_axes(rhs_spec[j]), sizes) and
-          not _splitting(_axes(lhs_spec[i]), sizes)):
+          _split(rhs_spec[j], sizes) and not _split(lhs_spec[i], sizes)):
       rhs_spec[j], found = None, True
   return PartitionSpec(*rhs_spec) if found else None
 
@@ -407,7 +410,8 @@ def _aligning(fn, lhs_spec, rhs_spec, mesh):
       terms = [fn(*pair, out_sharding=out_sharding)
                for pair in ((dx, wa), (xa, dw))
                if not any(isinstance(t, SymbolicZero) for t in pair)]
-      return y, functools.reduce(jnp.add, terms) if terms else jnp.zeros_like(y)
+      # JAX calls this rule only with some tangent not a symbolic zero.
+      return y, functools.reduce(jnp.add, terms)
 
     product.defjvp(jvp, symbolic_zeros=True)
     return product(x, w)
@@ -464,16 +468,10 @@ def einsum(where, subscripts: str, lhs, rhs, *,
   if mesh is None or '->' not in subscripts:
     return op(subscripts, lhs, rhs, **kwargs)
   (l, r), out = _einsum_labels(subscripts, (jnp.ndim(lhs), jnp.ndim(rhs)))
-  sizes = _sizes(mesh)
-  aligned = _contraction_aligned(lhs, rhs, (l, r), mesh, sizes, out)
-  if out_sharding is None:
-    spec = out_spec(out, [(l, aligned[0]), (r, aligned[1])], sizes)
-  else:
-    spec = given(where, 'einsum', out_sharding, mesh, len(out))
   fn = functools.partial(op, subscripts, **kwargs)
-  return _product(where, 'einsum', fn, (lhs, rhs), aligned, (l, r, out),
-                  spec, mesh, sizes, native=_native(op, jnp.einsum),
-                  weight=weight)
+  return _contract(where, 'einsum', fn, (lhs, rhs), (l, r, out), mesh,
+                   out_sharding, native=_native(op, jnp.einsum),
+                   weight=weight)
 
 
 def conv(where, fn: Callable[..., Any], lhs, rhs, out_sharding=None):
